@@ -1,0 +1,1 @@
+"""Builder: model patching, graph export, engine building."""

@@ -1,0 +1,1 @@
+"""Plugin ops: one folder per op, each with its Triton kernel(s) and TensorRT plugin definition."""

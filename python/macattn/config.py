@@ -1,0 +1,148 @@
+"""Frozen, validated configuration for MAC-Attention (SPEC §1).
+
+``MacConfig`` holds the global defaults (window ``K``, band ``r``, threshold ``tau``)
+and optional per-layer overrides; ``MacConfig.for_layer(i)`` resolves the values one
+layer uses as a ``LayerMacParams``.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["LayerMacParams", "MacConfig", "CONTEXT_HEAVY_TAU", "GENERATION_HEAVY_TAU"]
+
+CONTEXT_HEAVY_TAU = 0.45
+GENERATION_HEAVY_TAU = 0.75
+
+
+def _check_int(name: str, value: Any, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {lo}, got {type(value).__name__} {value!r}")
+    if value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value}")
+
+
+def _check_tau(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float in [0, 1), got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and 0.0 <= value < 1.0):
+        raise ValueError(f"{name} must be a float in [0, 1), got {value}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+@dataclass(frozen=True)
+class LayerMacParams:
+    """The MAC parameters one layer runs with.
+
+    window: ring capacity ``K`` (>= 1); a match must lie in ``[m - K, m - 1]``.
+    band:   rectification band ``r`` (>= 0); a hit recomputes ``[p - r + 1, m]``.
+    tau:    threshold in [0, 1): hit iff ``||q~_m - q~_p|| < sqrt(2 d) (1 - tau)``.
+    enabled: False makes every step a miss (ordinary full attention).
+    """
+
+    window: int = 1024
+    band: int = 256
+    tau: float = CONTEXT_HEAVY_TAU
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("window", self.window, 1)
+        _check_int("band", self.band, 0)
+        _check_tau("tau", self.tau)
+        _check_bool("enabled", self.enabled)
+        object.__setattr__(self, "tau", float(self.tau))
+
+    def threshold(self, head_dim: int) -> float:
+        """The L2 acceptance radius ``sqrt(2 d) (1 - tau)`` for head dimension ``d``."""
+        return math.sqrt(2.0 * head_dim) * (1.0 - self.tau)
+
+
+_LAYER_FIELDS = ("window", "band", "tau", "enabled")
+
+
+@dataclass(frozen=True)
+class MacConfig(LayerMacParams):
+    """Global MAC parameters plus per-layer overrides.
+
+    layer_overrides: mapping ``layer index -> {field: value}`` for any of
+    ``window``, ``band``, ``tau``, ``enabled``. Stored as a sorted tuple of
+    ``(layer, ((field, value), ...))`` so the config stays hashable.
+    """
+
+    layer_overrides: tuple = field(default=())
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        raw = self.layer_overrides
+        items = raw.items() if isinstance(raw, Mapping) else raw
+        if not isinstance(items, (tuple, list, type({}.items()))):
+            raise TypeError("layer_overrides must be a mapping {layer: {field: value}} "
+                            f"or a tuple of pairs, got {type(raw).__name__}")
+        normalised = []
+        for entry in items:
+            if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
+                raise TypeError(f"layer_overrides entries must be (layer, fields) pairs, got {entry!r}")
+            layer, fields = entry
+            if isinstance(layer, str) and layer.isdigit():
+                layer = int(layer)
+            _check_int("layer_overrides layer index", layer, 0)
+            fields = dict(fields.items() if isinstance(fields, Mapping) else fields)
+            unknown = set(fields) - set(_LAYER_FIELDS)
+            if unknown:
+                raise ValueError(f"layer_overrides[{layer}] has unknown fields {sorted(unknown)}; "
+                                 f"accepted: {list(_LAYER_FIELDS)}")
+            # Validate by constructing the resolved layer params (names the bad field).
+            try:
+                LayerMacParams(**{**self._base_fields(), **fields})
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"layer_overrides[{layer}]: {exc}") from None
+            normalised.append((layer, tuple(sorted(fields.items()))))
+        layers = [layer for layer, _ in normalised]
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"layer_overrides names a layer twice: {sorted(layers)}")
+        object.__setattr__(self, "layer_overrides", tuple(sorted(normalised)))
+
+    def _base_fields(self) -> dict:
+        return {name: getattr(self, name) for name in _LAYER_FIELDS}
+
+    def for_layer(self, layer: int) -> LayerMacParams:
+        """Resolved parameters of ``layer`` (global values with its overrides applied)."""
+        _check_int("layer", layer, 0)
+        fields = self._base_fields()
+        for idx, override in self.layer_overrides:
+            if idx == layer:
+                fields.update(dict(override))
+        return LayerMacParams(**fields)
+
+    def with_overrides(self, overrides: Mapping[int, Mapping[str, Any]]) -> "MacConfig":
+        merged = {idx: dict(f) for idx, f in self.layer_overrides}
+        for idx, f in overrides.items():
+            merged.setdefault(int(idx), {}).update(f)
+        return replace(self, layer_overrides=merged)
+
+    # --- per-layer file (written by `macattn tune`, read by `macattn build` and ModelRunner)
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["layer_overrides"] = {str(i): dict(f) for i, f in self.layer_overrides}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "MacConfig":
+        unknown = set(d) - set(_LAYER_FIELDS) - {"layer_overrides"}
+        if unknown:
+            raise ValueError(f"unknown MacConfig fields {sorted(unknown)}")
+        return cls(**d)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "MacConfig":
+        return cls.from_dict(json.loads(Path(path).read_text()))

@@ -1,0 +1,1 @@
+"""Runtime: decode state, generation loop, serving."""
