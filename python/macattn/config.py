@@ -81,7 +81,7 @@ class MacConfig(LayerMacParams):
     def __post_init__(self) -> None:
         super().__post_init__()
         raw = self.layer_overrides
-        items = raw.items() if isinstance(raw, Mapping) else raw
+        items = tuple(raw.items()) if isinstance(raw, Mapping) else raw
         if not isinstance(items, (tuple, list, type({}.items()))):
             raise TypeError("layer_overrides must be a mapping {layer: {field: value}} "
                             f"or a tuple of pairs, got {type(raw).__name__}")
@@ -93,7 +93,11 @@ class MacConfig(LayerMacParams):
             if isinstance(layer, str) and layer.isdigit():
                 layer = int(layer)
             _check_int("layer_overrides layer index", layer, 0)
-            fields = dict(fields.items() if isinstance(fields, Mapping) else fields)
+            try:
+                fields = dict(fields.items() if isinstance(fields, Mapping) else fields)
+            except (TypeError, ValueError):
+                raise TypeError(f"layer_overrides[{layer}] must be a mapping {{field: value}}, "
+                                f"got {type(fields).__name__} {fields!r}") from None
             unknown = set(fields) - set(_LAYER_FIELDS)
             if unknown:
                 raise ValueError(f"layer_overrides[{layer}] has unknown fields {sorted(unknown)}; "
