@@ -15,6 +15,7 @@ no padding (the runtime batches mixed lengths itself).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from transformers import AttentionInterface
@@ -23,6 +24,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from macattn import ops  # noqa: F401  (registers torch.ops.macattn.*)
 from macattn.config import MacConfig
 from macattn.mac import full_attention_reference, rectified_summaries_reference
+from macattn.builder.seeding import seed_rings_
 from macattn.runtime.state import MacState
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "MacAttentionContext", "patch_model", "unpatch_model", "is_patched"]
@@ -39,6 +41,16 @@ class MacAttentionContext:
     slots: ``[B]`` int64 ring rows of the requests in the current call.
     record_error: when True, every decode step also computes full attention and keeps
     ``||mac - full|| / ||full||`` per layer in ``layer_errors`` (diagnostics only).
+    positions: ``[B]`` int64, the per-request position ``m`` of this decode call's token
+    (requests of different lengths, K/V padded to the longest); ``None`` derives
+    ``m = cache length - 1`` for every request (unpadded batches only).
+    runtime_slots: True when a runtime owns slot acquisition (``macattn.runtime``): prefill
+    then seeds ``slots`` as set by the caller and never calls ``start_batch``.
+    rings: per-layer ``(qring, oring, ring_lse, ring_pos)`` used instead of ``state``'s
+    (graph export, ``macattn.builder.export``); prefill then seeds them in place with
+    tensor ops only (``macattn.builder.seeding``), so the call traces into one graph.
+    collect_diagnostics: False skips ``state.diagnostics`` (host-side accumulation).
+    last_match_pos: ``layer -> match_pos [B, Hq]`` int64 of the latest decode call.
     """
 
     config: MacConfig
@@ -48,6 +60,11 @@ class MacAttentionContext:
     record_error: bool = False
     layer_errors: dict[int, list[float]] = field(default_factory=dict)
     q_pre: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    positions: torch.Tensor | None = None
+    runtime_slots: bool = False
+    rings: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    collect_diagnostics: bool = True
+    last_match_pos: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def start_batch(self, batch_size: int) -> None:
         """Release the previous call's slots and take fresh (reset) ones for ``batch_size`` requests."""
@@ -75,10 +92,14 @@ def _mac_attention_forward(module, query, key, value, attention_mask, scaling=No
     if T > 1:
         fallback = AttentionInterface._global_mapping[ctx.fallback_impl]
         out, weights = fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        if S == T and layer == 0:
+        if S == T and layer == 0 and not ctx.runtime_slots:
             ctx.start_batch(B)
         if ctx.slots is None:
             raise RuntimeError("MAC prefill of a continued sequence without a batch; call start_batch first")
+        if ctx.rings is not None:
+            seed_rings_(ctx.rings[layer], ctx.slots.to(query.device), query, q_pre, key, value,
+                        band=params.band, scale=scaling)
+            return out, weights
         n = min(params.window, T)
         qpos = torch.arange(S - n, S, device=query.device)
         summ = rectified_summaries_reference(query[:, :, T - n:], key, value, qpos, band=params.band, scale=scaling)
@@ -86,14 +107,19 @@ def _mac_attention_forward(module, query, key, value, attention_mask, scaling=No
             ctx.state.seed(layer, slot, qpos, q_pre[b, :, T - n:],
                            type(summ)(summ.o[b], summ.lse[b]))
         return out, weights
-    _check_no_padding(attention_mask)
     if ctx.slots is None or ctx.slots.numel() != B:
         raise RuntimeError(f"MAC decode for a batch of {B} without a matching prefill")
-    positions = torch.full((B,), S - 1, dtype=torch.int64, device=query.device)
+    if ctx.positions is None:
+        _check_no_padding(attention_mask)
+        positions = torch.full((B,), S - 1, dtype=torch.int64, device=query.device)
+    else:
+        positions = ctx.positions.to(device=query.device, dtype=torch.int64)
+        if positions.shape != (B,):
+            raise ValueError(f"MacAttentionContext.positions must be [B]={B}, got {tuple(positions.shape)}")
     slots = ctx.slots.to(query.device)
     q = query[:, :, 0]
     qp = q_pre[:, :, 0]
-    rings = ctx.state.layer(layer)
+    rings = ctx.state.layer(layer) if ctx.rings is None else ctx.rings[layer]
     if params.enabled:
         match_pos, _ = torch.ops.macattn.mac_match(qp, rings[0], rings[2], rings[3], slots, positions,
                                                     params.band, params.tau)
@@ -101,7 +127,9 @@ def _mac_attention_forward(module, query, key, value, attention_mask, scaling=No
         match_pos = torch.full((B, Hq), -1, dtype=torch.int64, device=query.device)
     out = torch.ops.macattn.mac_attend(q, qp, key, value, positions, match_pos, slots, *rings,
                                        params.band, float(scaling))
-    ctx.state.diagnostics.record(layer, match_pos, positions, params.band)
+    ctx.last_match_pos[layer] = match_pos
+    if ctx.collect_diagnostics:
+        ctx.state.diagnostics.record(layer, match_pos, positions, params.band)
     if ctx.record_error:
         full = full_attention_reference(q, key, value, positions, scale=scaling)
         err = (out.to(full.dtype) - full).norm() / full.norm().clamp(min=1e-30)
@@ -165,7 +193,9 @@ def patch_model(model, config: MacConfig | None = None, *, num_slots: int = 8,
     AttentionMaskInterface.register(IMPL_NAME, ALL_MASK_ATTENTION_FUNCTIONS.get(fallback, sdpa_mask))
     for attn in _attention_modules(model):
         attn._macattn_ctx = ctx
-        attn.q_proj._macattn_parent = attn
+        # plain attribute, not a registered submodule: a module cycle q_proj -> attn -> q_proj
+        # breaks named_modules(remove_duplicate=False) (torch.export) and state_dict
+        object.__setattr__(attn.q_proj, "_macattn_parent", attn)
         attn._macattn_hook = attn.q_proj.register_forward_hook(_capture_q_pre)
     model._macattn_ctx = ctx
     model._macattn_prev_impl = hf._attn_implementation

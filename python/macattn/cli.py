@@ -33,6 +33,33 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_triton_repo(args) -> int:
+    from macattn.runtime.triton_repo import write_model_repository
+
+    mac = MacConfig.load(args.per_layer) if args.per_layer else None
+    dirs = write_model_repository(args.engine, args.out, name=args.name, mac_config=mac,
+                                  max_batch_size=args.max_batch_size, block_size=args.block_size,
+                                  device=args.device, torch_num_threads=args.torch_threads,
+                                  sys_path=(args.sys_path.split(":") if args.sys_path else None),
+                                  sync_model=not args.no_sync_model)
+    for d in dirs:
+        print(f"wrote {d}")
+    print(f"serve with: tritonserver --model-repository={args.out} (Python backend; see runtime/triton_repo.py)")
+    return 0
+
+
+def _cmd_build(args) -> int:
+    from macattn.builder.build import build_engine_dir
+
+    if args.tiny == (args.from_dir is not None):
+        raise ValueError("give exactly one of --from HF_DIR and --tiny")
+    build_engine_dir(args.model, args.out, mac=mac_config_from_args(args), hf_dir=args.from_dir,
+                     tiny=args.tiny, seed=args.seed, progress=not args.no_progress, max_batch=args.max_batch,
+                     max_context=args.max_context)
+    print(f"wrote {args.out}/manifest.json, {args.out}/hf/, {args.out}/decode.onnx, {args.out}/prefill.onnx")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="macattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=False)
@@ -45,6 +72,33 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", default=None, help="write the statistics to this JSON file")
     _add_mac_flags(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    build = sub.add_parser("build", help="export the patched model to ONNX (+ TensorRT engine where available)")
+    build.add_argument("--model", choices=("llama", "qwen2", "mistral"), required=True)
+    src = build.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from", dest="from_dir", default=None, help="transformers model directory (save_pretrained)")
+    src.add_argument("--tiny", action="store_true", help="use the built-in tiny model (no download)")
+    build.add_argument("--out", required=True, help="engine directory to write")
+    build.add_argument("--seed", type=int, default=0, help="weight seed of --tiny")
+    build.add_argument("--max-batch", type=int, default=8, help="TensorRT profile: largest batch")
+    build.add_argument("--max-context", type=int, default=None, help="TensorRT profile: longest context")
+    build.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_mac_flags(build)
+    build.set_defaults(func=_cmd_build)
+
+    tri = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository for an engine dir")
+    tri.add_argument("--engine", required=True, help="engine directory (manifest.json + hf/)")
+    tri.add_argument("--out", required=True, help="model repository directory to write")
+    tri.add_argument("--name", default="macattn", help="model name (a NAME_sync non-decoupled twin is added)")
+    tri.add_argument("--max-batch-size", type=int, default=8, help="in-flight requests at most (MAC slots)")
+    tri.add_argument("--block-size", type=int, default=16, help="paged KV block size in tokens")
+    tri.add_argument("--device", default="cpu")
+    tri.add_argument("--torch-threads", type=int, default=0, help="torch threads in the server (0 = default)")
+    tri.add_argument("--sys-path", default=None,
+                     help="':'-separated site-packages for model.py (default: this interpreter's)")
+    tri.add_argument("--per-layer", default=None, help="MacConfig JSON overriding the engine's MAC config")
+    tri.add_argument("--no-sync-model", action="store_true", help="write only the decoupled streaming model")
+    tri.set_defaults(func=_cmd_triton_repo)
     return parser
 
 

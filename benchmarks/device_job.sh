@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (run from the repo root there; $OUT comes back):
+#   bash benchmarks/device_job.sh tests tune bench
+# Steps run in the order given: tests (GPU pytest -> junit xml + log), tune (launch-parameter sweep),
+# bench (bench_mac_decode.py; extra args in $BENCH_ARGS). FlashInfer installs from .whl/ if carried.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/macattn_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+if ls .whl/flashinfer*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw,memory.used --format=csv
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    tests) timeout "${TEST_TIMEOUT:-300}" python3 -m pytest tests/plugins -m gpu -rA -p no:cacheprovider \
+             --junitxml="$OUT/junit_mac_kernels_gpu.xml" 2>&1 | tee "$OUT/pytest_mac_kernels_gpu.log" | tail -40 ;;
+    tune) timeout "${TUNE_TIMEOUT:-240}" python3 benchmarks/bench_mac_decode.py --tune \
+             --points "${TUNE_POINTS:-1x131072,32x131072}" 2>&1 | tee "$OUT/tune.log" ;;
+    bench) timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_mac_decode.py ${BENCH_ARGS:-} \
+             --out "$OUT/bench_mac_decode.json" 2>&1 | tee "$OUT/bench.log" ;;
+  esac
+done
+echo "=== done $(date +%T)"

@@ -1,0 +1,69 @@
+"""Frozen, validated runtime configuration (batch size, paged KV geometry, device hooks)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RuntimeConfig"]
+
+
+def _positive_int(name: str, value, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the runtime runs one model.
+
+    max_batch_size: requests decoded together at most = MAC ring slots (``MacState`` rows).
+    max_seq_len: prompt + generated tokens per request at most; ``None`` = the model's
+        ``max_position_embeddings``.
+    block_size: tokens per KV block (paged cache).
+    num_blocks: KV blocks in the pool; ``None`` = enough for ``max_batch_size`` requests of
+        ``max_seq_len`` tokens.
+    device: where weights, KV blocks and rings live (``"cpu"`` runs the reference ops).
+    use_cuda_graphs: capture decode steps per batch bucket (GPU path only; on the CPU it
+        raises ``NotImplementedError``).
+    """
+
+    max_batch_size: int = 8
+    max_seq_len: int | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    device: str = "cpu"
+    use_cuda_graphs: bool = False
+
+    def __post_init__(self) -> None:
+        _positive_int("max_batch_size", self.max_batch_size)
+        _positive_int("max_seq_len", self.max_seq_len, allow_none=True)
+        _positive_int("block_size", self.block_size)
+        _positive_int("num_blocks", self.num_blocks, allow_none=True)
+        if not isinstance(self.use_cuda_graphs, bool):
+            raise TypeError(f"use_cuda_graphs must be a bool, got {self.use_cuda_graphs!r}")
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device must be a torch device string, got {self.device!r}") from exc
+        if self.use_cuda_graphs and dev.type != "cuda":
+            raise NotImplementedError(
+                "use_cuda_graphs=True needs device='cuda' (CUDA graphs per batch bucket over the "
+                "Triton kernels of macattn.plugins); the CPU path runs the reference ops eagerly")
+        if self.use_cuda_graphs:
+            raise NotImplementedError(
+                "use_cuda_graphs: the CUDA-graph decode path is provided by the GPU runtime "
+                "(macattn.plugins); it is not part of this CPU runtime yet")
+        object.__setattr__(self, "device", str(dev))
+
+    def resolved(self, model_max_positions: int) -> "RuntimeConfig":
+        """Fill ``max_seq_len`` and ``num_blocks`` from the model's limits."""
+        max_seq_len = self.max_seq_len or model_max_positions
+        if max_seq_len > model_max_positions:
+            raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
+                             f"{model_max_positions}")
+        num_blocks = self.num_blocks or self.max_batch_size * -(-max_seq_len // self.block_size)
+        return RuntimeConfig(self.max_batch_size, max_seq_len, self.block_size, num_blocks,
+                             self.device, self.use_cuda_graphs)

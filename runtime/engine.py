@@ -1,0 +1,155 @@
+"""The in-flight batching engine: validate and queue requests, step, stream tokens.
+
+``LLMEngine.add_request`` validates a request completely before it is queued (a bad
+request raises ``ValueError`` / ``TypeError`` naming the parameter and touches nothing
+else); ``step`` decodes the running batch, prefills newly admitted requests and returns
+one ``StepOutput`` per request that produced a token or finished. Not thread-safe: one
+thread drives an engine (the Triton model drives it from its own loop thread).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from macattn.config import MacConfig
+
+from .config import RuntimeConfig
+from .executor import ModelExecutor
+from .sampling import SamplingParams, sample_next
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .slots import SlotStates
+
+__all__ = ["StepOutput", "LLMEngine", "check_input_ids"]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """token: the id generated for ``request_id`` this step (None if it only finished)."""
+
+    request_id: int
+    token: int | None
+    finished: bool
+    finish_reason: str | None = None
+
+
+def check_input_ids(input_ids, *, vocab_size: int, name: str = "input_ids") -> list[int]:
+    """A 1-D integer tensor / sequence of ints in ``[0, vocab_size)`` with >= 1 token -> ``list[int]``."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor (int32/int64), got dtype {input_ids.dtype}")
+        if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1:
+            raise ValueError(f"{name} must be 1-D [seq_len], got shape {tuple(input_ids.shape)}")
+        ids = input_ids.tolist()
+    elif isinstance(input_ids, (list, tuple)):
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+            raise TypeError(f"{name} must be a sequence of ints or an integer tensor")
+        ids = list(input_ids)
+    else:
+        raise TypeError(f"{name} must be an integer tensor or a list of ints, got {type(input_ids).__name__}")
+    if not ids:
+        raise ValueError(f"{name} is empty: a prompt needs at least one token")
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"{name} must lie in [0, {vocab_size - 1}] (vocab_size={vocab_size}), got [{lo}, {hi}]")
+    return ids
+
+
+class LLMEngine:
+    """model: a LLaMA / Qwen2 / Mistral ``*ForCausalLM``; mac_config None = MAC disabled
+    (every step runs full attention through the same ops)."""
+
+    def __init__(self, model, mac_config: MacConfig | None = None, config: RuntimeConfig | None = None) -> None:
+        config = (config or RuntimeConfig()).resolved(model.config.max_position_embeddings)
+        self.config = config
+        self.mac_config = mac_config if mac_config is not None else MacConfig(enabled=False)
+        self.executor = ModelExecutor(model, self.mac_config, config)
+        self.slot_states = SlotStates(config.max_batch_size, self.executor.ctx.state)
+        self.scheduler = Scheduler(self.slot_states, self.executor.blocks)
+        self.vocab_size = model.config.vocab_size
+        self.requests: dict[int, Sequence] = {}
+
+    @property
+    def mac_state(self):
+        return self.executor.ctx.state
+
+    @property
+    def model(self):
+        return self.executor.model
+
+    # --- requests -------------------------------------------------------------------------
+    def make_request(self, input_ids, sampling: SamplingParams | None = None, **sampling_kwargs) -> Sequence:
+        """Validate and build a request without queueing it (raises on any bad parameter)."""
+        if sampling is None:
+            sampling = SamplingParams(**sampling_kwargs)
+        elif sampling_kwargs:
+            raise TypeError("pass either sampling or keyword sampling parameters, not both")
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        ids = check_input_ids(input_ids, vocab_size=self.vocab_size)
+        total = len(ids) + sampling.max_new_tokens
+        if total > self.config.max_seq_len:
+            raise ValueError(f"input_ids too long: {len(ids)} prompt tokens + max_new_tokens="
+                             f"{sampling.max_new_tokens} = {total} > max_seq_len={self.config.max_seq_len}")
+        blocks = self.executor.blocks
+        if blocks.blocks_needed(total) > blocks.num_blocks:
+            raise ValueError(f"input_ids too long: {total} tokens need {blocks.blocks_needed(total)} KV blocks, "
+                             f"the pool has {blocks.num_blocks}")
+        return Sequence(prompt=ids, sampling=sampling, generator=sampling.make_generator())
+
+    def add_request(self, input_ids, sampling: SamplingParams | None = None, **sampling_kwargs) -> int:
+        """Validate and queue one request; returns its request id. Raises ``ValueError`` /
+        ``TypeError`` naming the bad parameter (nothing is queued then)."""
+        seq = self.make_request(input_ids, sampling, **sampling_kwargs)
+        self.submit(seq)
+        return seq.request_id
+
+    def submit(self, seq: Sequence) -> None:
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: int) -> None:
+        seq = self.requests.get(request_id)
+        if seq is not None and not seq.finished:
+            self.scheduler.finish(seq, "aborted")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def pop_finished(self, request_id: int) -> Sequence:
+        seq = self.requests.pop(request_id)
+        if not seq.finished:
+            self.requests[request_id] = seq
+            raise ValueError(f"request {request_id} has not finished")
+        return seq
+
+    # --- one step -------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Decode every running request that has a token, then prefill new admissions."""
+        outputs: list[StepOutput] = []
+        batch = self.scheduler.decode_batch()
+        if batch:
+            logits = self.executor.decode(batch)
+            for seq, row in zip(batch, logits):
+                outputs.append(self._append(seq, row))
+        for seq in self.scheduler.admit():
+            outputs.append(self._append(seq, self.executor.prefill(seq)))
+        return outputs
+
+    def _append(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
+        token = sample_next(logits, seq.sampling, seq.generator)
+        if seq.sampling.end_id is not None and token == seq.sampling.end_id:
+            self.scheduler.finish(seq, "end_id")
+            return StepOutput(seq.request_id, None, True, "end_id")
+        seq.output.append(token)
+        if len(seq.output) >= seq.sampling.max_new_tokens:
+            self.scheduler.finish(seq, "length")
+            return StepOutput(seq.request_id, token, True, "length")
+        return StepOutput(seq.request_id, token, False)
+
+    def run_to_completion(self) -> None:
+        while self.has_unfinished():
+            self.step()

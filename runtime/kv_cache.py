@@ -1,0 +1,58 @@
+"""The paged KV pool and the per-call views the patched transformers model writes through.
+
+Pool, per layer: ``k[l]``, ``v[l]`` ``[num_blocks * block_size, Hkv, d]`` in the model dtype
+(a flat view of ``[num_blocks, block_size, Hkv, d]``); rows are addressed through block
+tables (``BlockManager``).
+
+The views duck-type the one method transformers' attention modules call on
+``past_key_values``: ``update(key [B, Hkv, n, d], value, layer_idx) -> (keys, values)``.
+The model always receives explicit ``position_ids`` and a 4-D mask, so nothing else of
+the ``Cache`` API is consulted.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["PagedKVCache", "PrefillView", "DecodeView"]
+
+
+class PagedKVCache:
+    def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        rows = num_blocks * block_size
+        self.k = [torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.block_size = block_size
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class PrefillView:
+    """One request's prefill from position 0: writes ``[1, Hkv, L, d]`` to ``rows [L]`` and
+    returns the keys/values as given (the prompt is the whole history)."""
+
+    def __init__(self, cache: PagedKVCache, rows: torch.Tensor) -> None:
+        self.cache, self.rows = cache, rows.to(cache.k[0].device)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.cache.k[layer_idx][self.rows] = key[0].transpose(0, 1).to(self.cache.k[layer_idx].dtype)
+        self.cache.v[layer_idx][self.rows] = value[0].transpose(0, 1).to(self.cache.v[layer_idx].dtype)
+        return key, value
+
+
+class DecodeView:
+    """One decode step of ``B`` requests at positions ``m [B]``: writes each new token's K/V
+    (``[B, Hkv, 1, d]``) to ``write_rows [B]`` and returns the gathered history
+    ``[B, Hkv, T, d]`` (``T = max(m) + 1``; rows past ``m_b`` hold row 0's data, masked by the op)."""
+
+    def __init__(self, cache: PagedKVCache, write_rows: torch.Tensor, gather_rows: torch.Tensor) -> None:
+        dev = cache.k[0].device
+        self.cache, self.write_rows, self.gather_rows = cache, write_rows.to(dev), gather_rows.to(dev)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        k, v = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        k[self.write_rows] = key[:, :, 0].to(k.dtype)
+        v[self.write_rows] = value[:, :, 0].to(v.dtype)
+        return k[self.gather_rows].transpose(1, 2), v[self.gather_rows].transpose(1, 2)

@@ -1,0 +1,57 @@
+"""One request's life in the runtime: prompt, generated tokens, slot, KV block table."""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+__all__ = ["SequenceStatus", "Sequence"]
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # validated, queued, owns nothing
+    RUNNING = "running"      # owns a state slot and KV blocks
+    FINISHED = "finished"    # released everything
+
+
+@dataclass(eq=False)
+class Sequence:
+    """prompt: token ids (>= 1). output: generated ids (the end token is not kept).
+
+    ``slot`` (MAC ring row / per-slot state index) and ``block_table`` (KV block ids, one per
+    ``block_size`` positions) are set by the scheduler at admission and cleared at finish.
+    """
+
+    prompt: list[int]
+    sampling: SamplingParams
+    request_id: int = field(default_factory=lambda: next(_ids))
+    output: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    slot: int | None = None
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None          # "length" | "end_id" | "aborted"
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens (positions ``0 .. num_tokens - 1``)."""
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def max_tokens(self) -> int:
+        """Positions this request can ever occupy: prompt + max_new_tokens."""
+        return len(self.prompt) + self.sampling.max_new_tokens
+
+    @property
+    def prefilled(self) -> bool:
+        return bool(self.output)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,197 @@
+"""Triton Python-backend model serving macattn with in-flight batching (copied as ``1/model.py``).
+
+One engine per model instance, driven by one loop thread: ``execute`` parses requests and
+hands them to the loop; the loop validates them (a bad request gets an error response
+naming the parameter and touches nothing else), admits them between steps, and streams
+tokens back. Decoupled: one response per generated token, the last flagged final. Not
+decoupled: ``execute`` waits and returns all generated tokens at once.
+
+The Python backend stub ignores ``PYTHONPATH``: the ``sys_path`` parameter (written by
+``macattn triton-repo``) lists the site-packages to add. It is read from this model's
+``config.pbtxt`` when this file is imported, before numpy, torch or macattn are.
+"""
+import json
+import os
+import queue
+import re
+import site
+import sys
+import threading
+
+
+def _add_site_dirs(dirs):
+    before = list(sys.path)
+    for d in dirs:
+        if d not in before:
+            site.addsitedir(d)                       # processes .pth files (editable installs)
+    added = [p for p in sys.path if p not in before]
+    sys.path[:] = added + before                     # the project's packages win over the system's
+
+
+def _config_parameter(name):
+    """The string value of parameter ``name`` in ``../config.pbtxt`` (protobuf text escapes undone)."""
+    cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config.pbtxt")
+    with open(cfg, encoding="utf-8") as f:
+        text = f.read()
+    m = re.search(r'key:\s*"' + re.escape(name) + r'"\s*value:\s*\{\s*string_value:\s*"((?:[^"\\]|\\.)*)"', text)
+    if m is None:
+        return None
+    raw, out, i = m.group(1), bytearray(), 0
+    while i < len(raw):
+        if raw[i] == "\\" and re.match(r"[0-7]{3}", raw[i + 1:i + 4]):
+            out.append(int(raw[i + 1:i + 4], 8))
+            i += 4
+        elif raw[i] == "\\":
+            out += raw[i + 1].encode()
+            i += 2
+        else:
+            out += raw[i].encode()
+            i += 1
+    return out.decode("utf-8")
+
+
+_add_site_dirs(json.loads(_config_parameter("sys_path") or "[]"))
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+_OPTIONAL = {"end_id": int, "temperature": float, "top_k": int, "top_p": float, "random_seed": int}
+
+
+class _Pending:
+    """One request in flight: where its tokens go."""
+
+    def __init__(self, sender=None):
+        self.sender = sender          # decoupled: the response sender
+        self.tokens = []
+        self.error = None
+        self.done = threading.Event()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        cfg = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+        _add_site_dirs(json.loads(params.get("sys_path", "[]")))
+        import torch
+
+        from macattn.config import MacConfig
+        from macattn.runtime import ModelRunner, RuntimeConfig
+
+        threads = int(params.get("torch_num_threads", "0"))
+        if threads > 0:
+            torch.set_num_threads(threads)
+        self.torch = torch
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
+        rc = RuntimeConfig(max_batch_size=int(params.get("max_batch_size", "8")),
+                           block_size=int(params.get("block_size", "16")), device=params.get("device", "cpu"))
+        mac = MacConfig.from_dict(json.loads(params["mac_config"])) if "mac_config" in params else None
+        self.engine = ModelRunner.from_dir(params["engine_dir"], mac_config=mac, runtime_config=rc).engine
+        self.inbox = queue.Queue()
+        self.stopping = threading.Event()
+        self.loop = threading.Thread(target=self._loop, name="macattn-engine", daemon=True)
+        self.loop.start()
+
+    # --- request parsing (execute thread) ----------------------------------------------------
+    def _parse(self, request):
+        ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy().reshape(-1)
+        kwargs = {"max_new_tokens": int(pb_utils.get_input_tensor_by_name(request, "max_new_tokens")
+                                        .as_numpy().reshape(-1)[0])}
+        for name, cast in _OPTIONAL.items():
+            t = pb_utils.get_input_tensor_by_name(request, name)
+            if t is not None:
+                arr = t.as_numpy().reshape(-1)
+                if arr.size != 1:
+                    raise ValueError(f"{name} must hold exactly one value, got {arr.size}")
+                kwargs[name] = cast(arr[0].item())
+        return self.torch.from_numpy(ids.astype(np.int64, copy=False).copy()), kwargs
+
+    def execute(self, requests):
+        pending = []
+        for request in requests:
+            p = _Pending(request.get_response_sender() if self.decoupled else None)
+            try:
+                ids, kwargs = self._parse(request)
+            except Exception as exc:                   # noqa: BLE001 - reported to the client
+                self._fail(p, f"bad request: {exc}")
+            else:
+                self.inbox.put((ids, kwargs, p))
+            pending.append(p)
+        if self.decoupled:
+            return None
+        responses = []
+        for p in pending:
+            p.done.wait()
+            if p.error is not None:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(p.error)))
+            else:
+                responses.append(pb_utils.InferenceResponse(
+                    [pb_utils.Tensor("output_ids", np.asarray(p.tokens, dtype=np.int64))]))
+        return responses
+
+    # --- delivery ------------------------------------------------------------------------------
+    def _fail(self, p, message):
+        p.error = message
+        if p.sender is not None:
+            p.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=_FINAL)
+        p.done.set()
+
+    def _deliver(self, p, token, finished):
+        if token is not None:
+            p.tokens.append(token)
+        if p.sender is not None:
+            if token is not None:
+                resp = pb_utils.InferenceResponse([pb_utils.Tensor("output_ids", np.asarray([token], np.int64))])
+                p.sender.send(resp, flags=_FINAL if finished else 0)
+            elif finished:
+                p.sender.send(flags=_FINAL)
+        if finished:
+            p.done.set()
+
+    # --- the engine loop (one thread owns the engine) -------------------------------------------
+    def _loop(self):
+        live = {}
+        while not self.stopping.is_set():
+            try:
+                block = not self.engine.has_unfinished()
+                while True:
+                    ids, kwargs, p = self.inbox.get(block=block, timeout=0.05 if block else None)
+                    block = False
+                    try:
+                        rid = self.engine.add_request(ids, **kwargs)
+                    except (ValueError, TypeError) as exc:
+                        self._fail(p, str(exc))
+                    else:
+                        live[rid] = p
+            except queue.Empty:
+                pass
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:                   # noqa: BLE001 - fail everything in flight
+                for rid, p in list(live.items()):
+                    self.engine.abort(rid)
+                    self._fail(p, f"engine step failed: {exc!r}")
+                live.clear()
+                continue
+            for o in outputs:
+                p = live.get(o.request_id)
+                if p is None:
+                    continue
+                try:
+                    self._deliver(p, o.token, o.finished)
+                except Exception as exc:               # noqa: BLE001 - e.g. the client went away
+                    pb_utils.Logger.log_warn(f"macattn: dropping request {o.request_id}: {exc!r}")
+                    self.engine.abort(o.request_id)
+                    p.error = f"delivery failed: {exc!r}"
+                    p.done.set()
+                    o = type(o)(o.request_id, None, True, "aborted")
+                if o.finished:
+                    del live[o.request_id]
+                    self.engine.requests.pop(o.request_id, None)
+
+    def finalize(self):
+        self.stopping.set()
+        self.loop.join(timeout=10)

@@ -1,0 +1,487 @@
+"""Triton MAC kernels (``macattn.plugins``) against the fp32/fp64 reference (``macattn.mac``).
+
+Every test is ``@pytest.mark.gpu`` and skipped without CUDA or triton. For debugging the
+kernel logic on a CPU, ``MACATTN_TRITON_INTERPRET=1`` runs the same tests through
+Triton's interpreter on CPU tensors (slow: keep ``-k`` narrow).
+
+Rules:
+* inputs are fresh random draws (never zeros); outputs are NaN-poisoned before launch and
+  must be fully written;
+* ``out`` and ring entries: ``‖x - ref‖ / ‖ref‖ <= 1e-2`` (bf16 operands, METHOD.md) with
+  the reference in fp64 on upcast inputs;
+* match positions must equal the reference's, except for a head whose reference distance
+  lies within 1e-3 (relative) of the threshold or of the runner-up candidate's distance:
+  there fp32 summation order may legitimately flip the decision. The attention reference
+  then uses the kernel's own ``match_pos`` (it is a valid decision either way).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("MACATTN_TRITON_INTERPRET", "0") == "1"
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+try:
+    import triton  # noqa: F401
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+from macattn.mac import (full_attention_reference, mac_attend_reference, mac_match_reference,  # noqa: E402
+                         ring_append_reference)
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed"),
+    pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+REL_TOL = 1e-2
+BF16 = torch.bfloat16
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _poison(*shape, dtype, device=DEVICE):
+    if dtype.is_floating_point:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.full(shape, -(2 ** 40) + 7, dtype=dtype, device=device)
+
+
+# ------------------------------------------------------------------------------------------
+# problem generator
+# ------------------------------------------------------------------------------------------
+class Problem:
+    """Random decode step: B requests at ``positions`` in ring rows ``slots`` of ``S`` rows.
+
+    ``kinds[b][h]`` in {"hit", "miss", "nolse", "young"}: planted near-duplicate of a ring
+    query at a chosen ``p`` (hit); fresh random query (miss); planted but the slot's lse is
+    ``-inf`` (invalid: miss); planted at ``p < band`` (invalid: miss).
+    Rings hold, per request, positions ``[m - fill, m - 1]`` (wrapping modulo ``K``) plus
+    stale slots (``pos < m - K``) and empty ones.
+    """
+
+    def __init__(self, *, B, Hq, Hkv, d, K, band, tau, positions, kinds, T=None, S=None, gaps=None,
+                 oring_dtype=torch.float32, gen=None):
+        g = gen or torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+        self.B, self.Hq, self.Hkv, self.d, self.K, self.band, self.tau = B, Hq, Hkv, d, K, band, tau
+        self.positions = torch.tensor(positions, dtype=torch.int64)
+        T = T or int(self.positions.max()) + 1 + int(torch.randint(0, 7, (1,), generator=g))
+        self.T = T
+        S = S or B + 2
+        self.slots = torch.randperm(S, generator=g)[:B].to(torch.int64)
+        self.q = torch.randn(B, Hq, d, generator=g).to(BF16)
+        self.k = torch.randn(B, Hkv, T, d, generator=g).to(BF16)
+        self.v = torch.randn(B, Hkv, T, d, generator=g).to(BF16)
+        self.qring = torch.randn(S, Hq, K, d, generator=g).to(BF16)
+        # cached summaries of the same magnitude as fresh ones, so both sides of each merge matter
+        self.oring = (0.1 * torch.randn(S, Hq, K, d, generator=g)).to(oring_dtype)
+        self.ring_lse = torch.randn(S, Hq, K, generator=g) * 0.5 + math.log(max(T // 2, 2))
+        self.ring_pos = torch.full((S, K), -1, dtype=torch.int64)
+        q_pre = torch.randn(B, Hq, d, generator=g)
+        self.planted = torch.full((B, Hq), -1, dtype=torch.int64)
+        for b in range(B):
+            m, row = int(self.positions[b]), int(self.slots[b])
+            fill = min(m, K)
+            # some slots of the window left empty, some overwritten by stale positions
+            for t in range(m - fill, m):
+                self.ring_pos[row, t % K] = t
+            if fill > 4:
+                holes = torch.randperm(fill, generator=g)[: max(1, fill // 8)] + (m - fill)
+                for t in holes.tolist():
+                    stale = t - K * (1 + int(torch.randint(0, 3, (1,), generator=g)))
+                    self.ring_pos[row, t % K] = stale if stale >= 0 else -1
+            cands = [t for t in range(max(0, m - K), m) if int(self.ring_pos[row, t % K]) == t]
+            for h in range(Hq):
+                kind = kinds[b][h]
+                if kind == "miss" or not cands:
+                    continue
+                if kind == "young":
+                    pool = [t for t in cands if t < band]
+                elif gaps is not None:
+                    want = m - gaps[b][h]
+                    pool = [t for t in cands if t == want] or [t for t in cands if t >= band]
+                else:
+                    pool = [t for t in cands if t >= band]
+                if not pool:
+                    continue
+                p = pool[int(torch.randint(0, len(pool), (1,), generator=g))]
+                q_pre[b, h] = self.qring[row, h, p % K].float() + 0.05 * torch.randn(d, generator=g)
+                if kind == "nolse":
+                    self.ring_lse[row, h, p % K] = float("-inf")
+                self.planted[b, h] = p
+        self.q_pre = q_pre.to(BF16)
+        self.scale = 1.0 / math.sqrt(d)
+
+    def to(self, device):
+        for name in ("positions", "slots", "q", "k", "v", "qring", "oring", "ring_lse", "ring_pos", "q_pre"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+    def rings(self):
+        return (self.qring.clone(), self.oring.clone(), self.ring_lse.clone(), self.ring_pos.clone())
+
+    def paged(self, page_size, gen=None):
+        """NHD paged copy of k/v: ``[num_pages, page_size, Hkv, d]`` and ``page_table [B, max_pages]`` int32."""
+        g = gen or torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+        B, T = self.B, self.T
+        per = math.ceil(T / page_size)
+        n_pages = B * per + 3
+        perm = torch.randperm(n_pages, generator=g)[: B * per].view(B, per)
+        kc = torch.randn(n_pages, page_size, self.Hkv, self.d, generator=g).to(BF16).to(self.k.device)
+        vc = torch.randn(n_pages, page_size, self.Hkv, self.d, generator=g).to(BF16).to(self.k.device)
+        pad = per * page_size - T
+        kk = torch.nn.functional.pad(self.k, (0, 0, 0, pad)).permute(0, 2, 1, 3).reshape(B, per, page_size, self.Hkv, self.d)
+        vv = torch.nn.functional.pad(self.v, (0, 0, 0, pad)).permute(0, 2, 1, 3).reshape(B, per, page_size, self.Hkv, self.d)
+        dev_perm = perm.to(self.k.device)
+        kc[dev_perm] = kk
+        vc[dev_perm] = vv
+        table = torch.full((B, per + 2), n_pages + 100, dtype=torch.int32)   # padding entries never read
+        table[:, :per] = perm.to(torch.int32)
+        return kc, vc, table.to(self.k.device)
+
+
+def _all(kind, B, Hq):
+    return [[kind] * Hq for _ in range(B)]
+
+
+def _mixed_kinds(B, Hq, Hkv, gen):
+    """Every GQA group mixes hits and misses (and the odd invalid planted match)."""
+    hpg = Hq // Hkv
+    out = []
+    for _ in range(B):
+        row = []
+        for kvh in range(Hkv):
+            grp = ["hit"] * hpg
+            if hpg == 1 and kvh % 2:
+                grp = ["miss"]
+            if hpg > 1:
+                grp[int(torch.randint(0, hpg, (1,), generator=gen))] = "miss"
+            if hpg > 2:
+                grp[int(torch.randint(0, hpg, (1,), generator=gen))] = "nolse"
+            row += grp
+        out.append(row)
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# checks
+# ------------------------------------------------------------------------------------------
+def _candidate_dists(pr: Problem) -> torch.Tensor:
+    """All candidate distances ``[B, Hq, K]`` (inf for non-candidates), fp32 from the stored dtype."""
+    ring = pr.qring[pr.slots].float()
+    d2 = (pr.q_pre.to(pr.qring.dtype).float().unsqueeze(2) - ring).square().sum(-1)
+    rpos = pr.ring_pos[pr.slots]
+    m = pr.positions.unsqueeze(1)
+    cand = (rpos >= 0) & (rpos < m) & (rpos >= m - pr.K)
+    return d2.masked_fill(~cand.unsqueeze(1), float("inf")).sqrt()
+
+
+def _check_match(pr: Problem, match_pos: torch.Tensor, dist: torch.Tensor) -> None:
+    assert match_pos.dtype == torch.int64 and dist.dtype == torch.float32
+    assert not torch.isnan(dist).any(), "dist not fully written"
+    ref_pos, ref_dist = mac_match_reference(pr.q_pre, pr.qring, pr.ring_lse, pr.ring_pos, pr.slots, pr.positions,
+                                            band=pr.band, tau=pr.tau)
+    fin = torch.isfinite(ref_dist)
+    assert torch.equal(fin, torch.isfinite(dist)), "dist finite pattern differs"
+    if fin.any():
+        assert torch.allclose(dist[fin], ref_dist[fin], rtol=1e-4, atol=1e-5)
+    bad = match_pos != ref_pos
+    if bad.any():
+        thr = math.sqrt(2.0 * pr.d) * (1.0 - pr.tau)
+        two = torch.topk(_candidate_dists(pr), 2, dim=-1, largest=False).values
+        near_thr = (ref_dist - thr).abs() <= 1e-3 * thr
+        near_2nd = (two[..., 1] - two[..., 0]).abs() <= 1e-3 * two[..., 0].clamp_min(1e-12)
+        excused = near_thr | near_2nd
+        assert bool(excused[bad].all()), (
+            f"match_pos differs at {bad.nonzero().tolist()}: got {match_pos[bad].tolist()}, "
+            f"ref {ref_pos[bad].tolist()}")
+
+
+def _check_step(pr: Problem, out, match_pos, rings_after, rings_before) -> None:
+    """out vs fp64 reference using ``match_pos``; ring state after the append vs the reference append."""
+    assert not torch.isnan(out.float()).any(), "out not fully written"
+    qring0, oring0, lse0, pos0 = rings_before
+    ref_out, entry = mac_attend_reference(pr.q.double(), pr.k.double(), pr.v.double(), pr.positions, match_pos,
+                                          oring0.double(), lse0, pr.slots, band=pr.band, scale=pr.scale)
+    assert out.dtype == pr.q.dtype
+    assert _rel(out, ref_out) <= REL_TOL, f"out rel err {_rel(out, ref_out):.3g}"
+    rq, ro, rl, rp = qring0.clone(), oring0.clone(), lse0.clone(), pos0.clone()
+    ring_append_reference(rq, ro, rl, rp, pr.slots, pr.positions, pr.q_pre, entry)
+    qring, oring, lse, pos = rings_after
+    assert torch.equal(pos, rp), "ring_pos after append differs"
+    assert torch.equal(qring, rq), "qring after append differs"
+    fin = torch.isfinite(rl)
+    assert torch.equal(fin, torch.isfinite(lse)), "ring_lse finite pattern differs"
+    assert torch.allclose(lse[fin], rl[fin], rtol=1e-4, atol=2e-3), "ring_lse after append differs"
+    # untouched slots bit-identical, appended entries within tolerance
+    cols = pr.positions % pr.K
+    sel = torch.zeros_like(rp, dtype=torch.bool)
+    sel[pr.slots, cols] = True
+    assert torch.equal(oring[~sel.unsqueeze(1).expand(-1, pr.Hq, -1)], ro[~sel.unsqueeze(1).expand(-1, pr.Hq, -1)])
+    new, ref_new = oring[pr.slots, :, cols], entry.o
+    nonempty = torch.isfinite(entry.lse)
+    if nonempty.any():
+        assert _rel(new[nonempty], ref_new[nonempty]) <= REL_TOL
+    assert not torch.isnan(new.float()).any()
+
+
+def _plan(pr: Problem, page_size=None, **kw):
+    from macattn.plugins.decode_plan import MacDecodePlan
+    return MacDecodePlan(batch_size=pr.B, max_context=pr.T, num_q_heads=pr.Hq, num_kv_heads=pr.Hkv, head_dim=pr.d,
+                         window=pr.K, band=pr.band, tau=pr.tau, page_size=page_size, device=DEVICE, **kw)
+
+
+def _poison_plan(plan) -> None:
+    plan.out.fill_(float("nan"))
+    plan.match_pos.fill_(-(2 ** 40))
+    plan.dist.fill_(float("nan"))
+    plan.part_o.fill_(float("nan"))
+    plan.part_lse.fill_(float("nan"))
+
+
+def _run_fused(pr: Problem, page_size=None, **kw):
+    plan = _plan(pr, page_size, **kw)
+    _poison_plan(plan)
+    before = pr.rings()
+    rings = pr.rings()
+    if page_size is None:
+        k, v, table = pr.k, pr.v, None
+    else:
+        k, v, table = pr.paged(page_size)
+    out, mp, dist = plan.run(pr.q, pr.q_pre, k, v, pr.positions, pr.slots, *rings, page_table=table)
+    _check_match(pr, mp, dist)
+    _check_step(pr, out, mp, rings, before)
+    return plan, mp
+
+
+# ------------------------------------------------------------------------------------------
+# shapes
+# ------------------------------------------------------------------------------------------
+if INTERPRET:
+    GQA = [(4, 2, 16), (4, 4, 32), (6, 2, 16)]
+    SMALL = dict(K=32, band=8)
+    CTX = [40, 71, 9, 100]
+else:
+    GQA = [(32, 8, 128), (28, 4, 128), (8, 8, 64), (32, 8, 64)]
+    SMALL = dict(K=256, band=64)
+    CTX = [1500, 3001, 700, 4500]
+
+
+def _gen():
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+
+@pytest.mark.parametrize("hq,hkv,d", GQA)
+def test_fused_step_mixed_hits_contiguous(hq, hkv, d):
+    g = _gen()
+    B = 3
+    pr = Problem(B=B, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=CTX[:B], kinds=_mixed_kinds(B, hq, hkv, g),
+                 gen=g, **SMALL).to(DEVICE)
+    _, mp = _run_fused(pr)
+    assert bool((mp >= 0).any()) and bool((mp < 0).any())
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 64])
+def test_fused_step_paged(page_size):
+    g = _gen()
+    hq, hkv, d = GQA[0]
+    B = 4
+    pr = Problem(B=B, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=CTX[:B], kinds=_mixed_kinds(B, hq, hkv, g),
+                 gen=g, **SMALL).to(DEVICE)
+    _run_fused(pr, page_size=page_size)
+
+
+@pytest.mark.parametrize("b_items", [None, 1, 3])
+def test_fused_step_part_b_starts_before_plan(b_items):
+    """``early_b``: the attention kernel's part-B items run while the plan still runs (PDL)."""
+    g = _gen()
+    hq, hkv, d = GQA[0]
+    B = 4
+    pr = Problem(B=B, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=CTX[:B], kinds=_mixed_kinds(B, hq, hkv, g),
+                 gen=g, **SMALL).to(DEVICE)
+    _run_fused(pr, page_size=16, early_b=True, b_items=b_items)
+
+
+def test_fused_step_large_batch():
+    """Enough KV groups to cover the SMs (B * Hkv >= 132 on the H100): the large-batch defaults."""
+    g = _gen()
+    hq, hkv, d = GQA[0]
+    B = 4 if INTERPRET else 20
+    positions = [CTX[i % len(CTX)] + 17 * i for i in range(B)]
+    pr = Problem(B=B, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=positions, kinds=_mixed_kinds(B, hq, hkv, g),
+                 gen=g, **SMALL).to(DEVICE)
+    _run_fused(pr, page_size=16)
+
+
+def test_all_hit_and_wraparound():
+    """m >> K: rings wrapped many times, stale slots present; every head hits."""
+    g = _gen()
+    hq, hkv, d = GQA[0]
+    K, band = SMALL["K"], SMALL["band"]
+    positions = [7 * K + 5, 3 * K + K // 2, 11 * K - 1]
+    pr = Problem(B=3, Hq=hq, Hkv=hkv, d=d, K=K, band=band, tau=0.45, positions=positions,
+                 kinds=_all("hit", 3, hq), gen=g).to(DEVICE)
+    _, mp = _run_fused(pr)
+    assert bool((mp >= 0).all())
+    assert bool((mp >= pr.positions.unsqueeze(1) - K).all())
+
+
+def test_all_miss():
+    g = _gen()
+    hq, hkv, d = GQA[1]
+    pr = Problem(B=2, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=CTX[:2], kinds=_all("miss", 2, hq), gen=g,
+                 **SMALL).to(DEVICE)
+    _, mp = _run_fused(pr)
+    assert bool((mp < 0).all())
+
+
+def test_young_requests_m_minus_r_negative():
+    """``m - r < 0``: every planted match is invalid (p < r), entries are empty (lse -inf)."""
+    g = _gen()
+    hq, hkv, d = GQA[0]
+    band = SMALL["band"]
+    positions = [band - 1, band // 2, 0, 3]
+    pr = Problem(B=4, Hq=hq, Hkv=hkv, d=d, K=SMALL["K"], band=band, tau=0.45, positions=positions,
+                 kinds=_all("young", 4, hq), gen=g).to(DEVICE)
+    plan, mp = _run_fused(pr)
+    assert bool((mp < 0).all())
+
+
+def test_hit_at_oldest_window_slot_shares_append_slot():
+    """p = m - K is a legal match and lives in slot m mod K, the slot the append overwrites:
+    the cached entry must be read before it is replaced."""
+    g = _gen()
+    hq, hkv, d = GQA[0]
+    K, band = SMALL["K"], SMALL["band"]
+    positions = [5 * K + 3, 2 * K + 1]
+    gaps = [[K] * hq for _ in positions]
+    pr = Problem(B=2, Hq=hq, Hkv=hkv, d=d, K=K, band=band, tau=0.45, positions=positions,
+                 kinds=_all("hit", 2, hq), gaps=gaps, gen=g).to(DEVICE)
+    # make sure slot m mod K holds position m - K for every head (no hole there)
+    for b in range(2):
+        m = int(pr.positions[b])
+        pr.ring_pos[pr.slots[b], m % K] = m - K
+        for h in range(hq):
+            pr.q_pre[b, h] = (pr.qring[pr.slots[b], h, m % K].float() + 0.05 * torch.randn(d, device=DEVICE)).to(BF16)
+    _, mp = _run_fused(pr)
+    assert bool((mp == pr.positions.unsqueeze(1) - K).all())
+
+
+def test_mixed_lengths_batch_and_bf16_oring():
+    g = _gen()
+    hq, hkv, d = GQA[0]
+    K, band = SMALL["K"], SMALL["band"]
+    positions = [3, band + 1, K + 7, 2 * K + 3, CTX[3], CTX[1]]
+    B = len(positions)
+    pr = Problem(B=B, Hq=hq, Hkv=hkv, d=d, K=K, band=band, tau=0.45, positions=positions,
+                 kinds=_mixed_kinds(B, hq, hkv, g), oring_dtype=BF16, gen=g).to(DEVICE)
+    _run_fused(pr, page_size=16)
+
+
+@pytest.mark.parametrize("hq,hkv,d", GQA[:3])
+def test_ops_registered_cuda_kernels(hq, hkv, d):
+    """``torch.ops.macattn.mac_match`` / ``mac_attend`` dispatch to the Triton kernels on CUDA."""
+    import macattn.plugins as plugins
+    assert "macattn::mac_attend" in plugins.REGISTERED
+    g = _gen()
+    B = 3
+    pr = Problem(B=B, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=CTX[:B], kinds=_mixed_kinds(B, hq, hkv, g),
+                 gen=g, **SMALL).to(DEVICE)
+    if INTERPRET:   # the ops dispatch on device type; call the registered implementations directly
+        from macattn.plugins.mac_attend.op import mac_attend_triton as attend
+        from macattn.plugins.mac_match.op import mac_match_triton as match
+    else:
+        match, attend = torch.ops.macattn.mac_match, torch.ops.macattn.mac_attend
+    mp, dist = match(pr.q_pre, pr.qring, pr.ring_lse, pr.ring_pos, pr.slots, pr.positions, pr.band, pr.tau)
+    _check_match(pr, mp, dist)
+    before, rings = pr.rings(), pr.rings()
+    out = attend(pr.q, pr.q_pre, pr.k, pr.v, pr.positions, mp, pr.slots, *rings, pr.band, pr.scale)
+    _check_step(pr, out, mp, rings, before)
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("hq,hkv,d", GQA[:3])
+def test_full_attention_path(page_size, hq, hkv, d):
+    g = _gen()
+    B = 4
+    pr = Problem(B=B, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=CTX[:B], kinds=_all("miss", B, hq), gen=g,
+                 **SMALL).to(DEVICE)
+    plan = _plan(pr, page_size)
+    _poison_plan(plan)
+    if page_size is None:
+        k, v, table = pr.k, pr.v, None
+    else:
+        k, v, table = pr.paged(page_size)
+    out = plan.run_full(pr.q, k, v, pr.positions, page_table=table)
+    assert not torch.isnan(out.float()).any()
+    ref = full_attention_reference(pr.q.double(), pr.k.double(), pr.v.double(), pr.positions)
+    assert _rel(out, ref) <= REL_TOL
+
+
+@pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("early_b", [False, True])
+def test_cuda_graph_capture_and_replay(early_b):
+    """A captured step replays correctly on new inputs copied into the captured buffers."""
+    g = _gen()
+    hq, hkv, d = GQA[0]
+    B = 3
+    T = max(CTX[:B]) + 9
+    pr = Problem(B=B, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=CTX[:B], T=T, kinds=_mixed_kinds(B, hq, hkv, g),
+                 gen=g, **SMALL).to(DEVICE)
+    plan = _plan(pr, 16, early_b=early_b)
+    k, v, table = pr.paged(16)
+    static = dict(q=pr.q.clone(), q_pre=pr.q_pre.clone(), k=k.clone(), v=v.clone(), positions=pr.positions.clone(),
+                  slots=pr.slots.clone(), table=table.clone())
+    rings = pr.rings()
+    args = lambda: (static["q"], static["q_pre"], static["k"], static["v"], static["positions"], static["slots"],  # noqa: E731
+                    *rings)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        plan.run(*args(), page_table=static["table"])          # warm-up: compile outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(*args(), page_table=static["table"], check=False)
+    # fresh problem, same shapes, copied into the static buffers
+    pr2 = Problem(B=B, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=[p + 1 for p in CTX[:B]], T=T,
+                  kinds=_mixed_kinds(B, hq, hkv, g), gen=g, **SMALL).to(DEVICE)
+    k2, v2, table2 = pr2.paged(16)
+    for name, val in (("q", pr2.q), ("q_pre", pr2.q_pre), ("k", k2), ("v", v2), ("positions", pr2.positions),
+                      ("slots", pr2.slots), ("table", table2)):
+        static[name].copy_(val)
+    before = pr2.rings()
+    for dst, src in zip(rings, pr2.rings()):
+        dst.copy_(src)
+    _poison_plan(plan)
+    graph.replay()
+    torch.cuda.synchronize()
+    _check_match(pr2, plan.match_pos, plan.dist)
+    _check_step(pr2, plan.out, plan.match_pos, rings, before)
+
+
+def test_plan_rejects_bad_inputs():
+    g = _gen()
+    hq, hkv, d = GQA[0]
+    pr = Problem(B=2, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=CTX[:2], kinds=_all("miss", 2, hq), gen=g,
+                 **SMALL).to(DEVICE)
+    plan = _plan(pr)
+    with pytest.raises(ValueError, match="page_table"):
+        plan.run(pr.q, pr.q_pre, pr.k, pr.v, pr.positions, pr.slots, *pr.rings(),
+                 page_table=torch.zeros(2, 4, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="q must be"):
+        plan.run(pr.q[:1], pr.q_pre, pr.k, pr.v, pr.positions, pr.slots, *pr.rings())
+    from macattn.plugins.decode_plan import MacDecodePlan
+    with pytest.raises(ValueError, match="num_q_heads"):
+        MacDecodePlan(batch_size=1, max_context=16, num_q_heads=6, num_kv_heads=4, head_dim=64, window=8, band=2,
+                      tau=0.5, device=DEVICE)

@@ -1,0 +1,154 @@
+"""ModelRunner / LLMEngine on the CPU: TensorRT-LLM output format, agreement with transformers,
+engine directories, sampling, slot registry."""
+import json
+
+import pytest
+import torch
+from _tiny import MAC, TINY, prompts, tiny_model
+
+from macattn.config import MacConfig
+from macattn.runtime import (LLMEngine, ModelRunner, RuntimeConfig, SamplingParams, SlotStates,
+                             TensorSlotState, read_engine_dir, write_engine_dir)
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return ModelRunner.from_hf(tiny_model(), MAC, max_batch_size=6, block_size=8)
+
+
+def _hf_greedy(model, ids, n):
+    with torch.no_grad():
+        out = model.generate(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_mac_off_mixed_lengths_equal_transformers(family):
+    """MAC disabled: batched decode over mixed lengths through the paged cache = HF greedy."""
+    ps = prompts(5, seed=3)
+    runner = ModelRunner.from_hf(tiny_model(family), None, max_batch_size=3, block_size=8)
+    out = runner.generate(ps, max_new_tokens=6, return_dict=True, output_sequence_lengths=True)
+    ref = tiny_model(family)
+    for b, p in enumerate(ps):
+        assert out["output_ids"][b, 0, len(p):len(p) + 6].tolist() == _hf_greedy(ref, p, 6)
+
+
+def test_output_format(runner):
+    ps = prompts(3, seed=5)
+    out = runner.generate(ps, max_new_tokens=4, pad_id=7, return_dict=True, output_sequence_lengths=True)
+    ids, lens = out["output_ids"], out["sequence_lengths"]
+    width = max(len(p) for p in ps) + 4
+    assert ids.shape == (3, 1, width) and ids.dtype == torch.int32
+    assert lens.shape == (3, 1) and lens.dtype == torch.int32
+    for b, p in enumerate(ps):
+        assert lens[b, 0] == len(p) + 4
+        assert torch.equal(ids[b, 0, :len(p)], p.to(torch.int32))
+        assert (ids[b, 0, len(p) + 4:] == 7).all()
+    plain = runner.generate(ps, max_new_tokens=4, pad_id=7)
+    assert torch.equal(plain, ids)
+    assert set(runner.generate(ps, max_new_tokens=4, return_dict=True)) == {"output_ids"}
+
+
+def test_end_id_stops_and_is_not_emitted(runner):
+    p = prompts(1, seed=11)[0]
+    full = runner.generate([p], max_new_tokens=6)[0, 0, len(p):].tolist()
+    end = full[3]
+    k = full.index(end)
+    out = runner.generate([p], max_new_tokens=6, end_id=end, pad_id=255, return_dict=True,
+                          output_sequence_lengths=True)
+    assert int(out["sequence_lengths"][0, 0]) == len(p) + k
+    assert out["output_ids"][0, 0, len(p):len(p) + k].tolist() == full[:k]
+    assert (out["output_ids"][0, 0, len(p) + k:] == 255).all()
+
+
+def test_streaming_yields_growing_outputs(runner):
+    ps = prompts(2, seed=13)
+    final = runner.generate(ps, max_new_tokens=5, return_dict=True, output_sequence_lengths=True)
+    steps = list(runner.generate(ps, max_new_tokens=5, streaming=True, return_dict=True,
+                                 output_sequence_lengths=True))
+    assert len(steps) == 5
+    lens = [s["sequence_lengths"][:, 0].tolist() for s in steps]
+    assert lens == [[len(ps[0]) + i, len(ps[1]) + i] for i in range(1, 6)]
+    assert torch.equal(steps[-1]["output_ids"], final["output_ids"])
+    # closing a stream early aborts its requests and frees their slots and blocks
+    gen = runner.generate(ps, max_new_tokens=5, streaming=True)
+    next(gen)
+    gen.close()
+    eng = runner.engine
+    assert not eng.has_unfinished() and eng.slot_states.num_free == eng.config.max_batch_size
+    assert eng.executor.blocks.num_free == eng.executor.blocks.num_blocks
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(runner):
+    p = prompts(1, seed=17)[0]
+    greedy = runner.generate([p], max_new_tokens=6)
+    assert torch.equal(runner.generate([p], max_new_tokens=6, top_k=1, temperature=0.3), greedy)
+    kw = dict(max_new_tokens=6, top_k=50, top_p=0.9, temperature=1.5, random_seed=1234)
+    a = runner.generate([p, p], **kw)
+    b = runner.generate([p], **kw)
+    assert torch.equal(a[0], a[1]) and torch.equal(a[0], b[0])   # per-request generator, batch-independent
+    outs = {tuple(runner.generate([p], **{**kw, "random_seed": s})[0, 0].tolist()) for s in range(6)}
+    assert len(outs) > 1
+
+
+def test_engine_dir_roundtrip(tmp_path):
+    model = tiny_model("qwen2", seed=4)
+    mac = MacConfig(window=16, band=4, tau=0.2).with_overrides({1: {"tau": 0.5}})
+    write_engine_dir(model, mac, tmp_path / "eng", extra={"onnx": {"decode": "decode.onnx"}})
+    # tolerant reading: unknown top-level and MAC keys are ignored
+    mf = tmp_path / "eng" / "manifest.json"
+    raw = json.loads(mf.read_text())
+    raw["mac_config"]["future_field"] = 1
+    raw["something_new"] = {"x": 1}
+    mf.write_text(json.dumps(raw))
+    manifest = read_engine_dir(tmp_path / "eng")
+    assert manifest.family == "qwen2" and manifest.mac_config == mac and manifest.ignored == ("future_field",)
+    ps = prompts(3, seed=19)
+    a = ModelRunner.from_dir(tmp_path / "eng", max_batch_size=2).generate(ps, max_new_tokens=5)
+    b = ModelRunner.from_hf(model, mac, max_batch_size=2).generate(ps, max_new_tokens=5)
+    assert torch.equal(a, b)
+    with pytest.raises(FileNotFoundError, match="manifest.json"):
+        ModelRunner.from_dir(tmp_path)
+
+
+def test_cuda_graph_hook_is_explicit_on_cpu():
+    with pytest.raises(NotImplementedError, match="use_cuda_graphs"):
+        RuntimeConfig(use_cuda_graphs=True)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        RuntimeConfig(max_batch_size=0)
+
+
+def test_slot_registry_resets_every_state():
+    reg = SlotStates(3)
+    summary = reg.register("mka_summary", TensorSlotState(3, (2, 4)))
+    s = reg.acquire()
+    summary.data[s] = 5.0
+    reg.release(s)
+    assert (summary.data == 0).all()
+    summary.data[s] = 9.0             # a stale write into a free row is wiped at the next acquire
+    t = reg.acquire()
+    assert t == s and (summary.data[t] == 0).all()
+    with pytest.raises(ValueError, match="2 slots"):
+        reg.register("bad", TensorSlotState(2, (1,)))
+    with pytest.raises(TypeError, match="reset"):
+        reg.register("bad", object())
+    reg.acquire(), reg.acquire()
+    with pytest.raises(RuntimeError, match="no free slot"):
+        reg.acquire()
+
+
+def test_engine_slot_registry_carries_extra_state(runner):
+    eng = runner.engine
+    name = "test_extra"
+    if name not in eng.slot_states.states:
+        eng.slot_states.register(name, TensorSlotState(eng.config.max_batch_size, (3,), fill=-1.0))
+    extra = eng.slot_states.states[name]
+    rid = eng.add_request(prompts(1, seed=23)[0], max_new_tokens=3)
+    eng.step()
+    slot = eng.requests[rid].slot
+    assert (extra.data[slot] == -1.0).all()
+    extra.data[slot] = 42.0
+    eng.run_to_completion()
+    assert (extra.data[slot] == -1.0).all()
+    eng.pop_finished(rid)

@@ -1,0 +1,175 @@
+"""The real Triton Inference Server (from the ``nvidia-pytriton`` wheel) serving a model
+repository written by ``macattn triton-repo``, on the CPU, with a tiny model.
+
+Setup (``macattn.runtime.triton_server.prepare_tritonserver``, after ../shared/FACTS.md): the
+Python-backend stub for the running interpreter is copied into a *copy* of the wheel's
+``backends`` dir (site-packages is never modified), ``LD_LIBRARY_PATH`` points at
+``nvidia_pytriton.libs``, foreign ``python3`` dirs leave ``PATH``; the server listens on
+127.0.0.1 with free ephemeral ports and is always stopped by the fixture.
+
+Non-streaming requests go over HTTP to ``macattn_sync`` (the same model.py, not decoupled:
+decoupled models cannot answer KServe-v2 HTTP ``infer``); streaming goes over gRPC to the
+decoupled ``macattn`` model. Every output must equal ``ModelRunner``'s for the same prompt.
+"""
+import queue
+import socket
+import subprocess
+import time
+
+import numpy as np
+import pytest
+from _tiny import MAC, prompts, tiny_model
+
+pytriton = pytest.importorskip("pytriton", reason="needs nvidia-pytriton (pip install -e '.[test]')")
+httpclient = pytest.importorskip("tritonclient.http", reason="needs tritonclient[http,grpc]")
+grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs tritonclient[http,grpc]")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from macattn.runtime import ModelRunner, write_engine_dir  # noqa: E402
+from macattn.runtime.triton_repo import write_model_repository  # noqa: E402
+from macattn.runtime.triton_server import prepare_tritonserver  # noqa: E402
+
+NEW = 8
+
+
+def _launcher_or_reason():
+    """Check once that the bundled tritonserver can run on this machine (else: skip, saying why)."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            prepare_tritonserver(d, d, http_port=0, grpc_port=0)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+_why = _launcher_or_reason()
+pytestmark = pytest.mark.skipif(_why is not None, reason=str(_why))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("triton")
+    engine = write_engine_dir(tiny_model(), MAC, root / "engine")
+    write_model_repository(engine, root / "repo", max_batch_size=8, block_size=8, torch_num_threads=1)
+    http_port, grpc_port = _free_port(), _free_port()
+    launch = prepare_tritonserver(root / "repo", root, http_port=http_port, grpc_port=grpc_port)
+    log = open(root / "server.log", "wb")
+    proc = subprocess.Popen(launch.argv, env=launch.env, cwd=launch.cwd, stdout=log, stderr=subprocess.STDOUT)
+    http = None
+    try:
+        http = httpclient.InferenceServerClient(f"127.0.0.1:{http_port}", concurrency=16)
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"tritonserver exited with {proc.returncode}:\n"
+                            f"{(root / 'server.log').read_text()[-3000:]}")
+            try:
+                if http.is_server_ready() and all(http.is_model_ready(m) for m in ("macattn", "macattn_sync")):
+                    break
+            except Exception:                                    # noqa: BLE001 - not listening yet
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"tritonserver not ready in 120 s:\n{(root / 'server.log').read_text()[-3000:]}")
+            time.sleep(0.25)
+        yield {"http": http, "grpc_url": f"127.0.0.1:{grpc_port}", "engine": engine}
+    finally:
+        if http is not None:
+            http.close()                     # open keep-alive connections would hold shutdown
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def expected(server):
+    """What ModelRunner (same engine dir, in this process) generates for each prompt."""
+    runner = ModelRunner.from_dir(server["engine"], max_batch_size=8, block_size=8)
+    ps = prompts(12, seed=77)
+    out = runner.generate(ps, max_new_tokens=NEW, return_dict=True, output_sequence_lengths=True)
+    return ps, [out["output_ids"][b, 0, len(p):int(out["sequence_lengths"][b, 0])].tolist()
+                for b, p in enumerate(ps)]
+
+
+def _inputs(mod, ids, max_new_tokens, **optional):
+    ids = np.asarray(ids, dtype=np.int64)
+    tensors = [("input_ids", ids, "INT64"), ("max_new_tokens", np.array([max_new_tokens], np.int32), "INT32")]
+    types = {"end_id": (np.int32, "INT32"), "temperature": (np.float32, "FP32"), "top_k": (np.int32, "INT32"),
+             "top_p": (np.float32, "FP32"), "random_seed": (np.int64, "INT64")}
+    for k, v in optional.items():
+        tensors.append((k, np.array([v], types[k][0]), types[k][1]))
+    out = []
+    for name, arr, dt in tensors:
+        t = mod.InferInput(name, list(arr.shape), dt)
+        t.set_data_from_numpy(arr)
+        out.append(t)
+    return out
+
+
+def test_http_concurrent_requests_match_model_runner(server, expected):
+    ps, want = expected
+    http = server["http"]
+    good = [http.async_infer("macattn_sync", _inputs(httpclient, p.numpy(), NEW)) for p in ps]
+    bad = {"max_new_tokens": http.async_infer("macattn_sync", _inputs(httpclient, ps[0].numpy(), 0)),
+           "temperature": http.async_infer("macattn_sync", _inputs(httpclient, ps[1].numpy(), 4, temperature=0.0,
+                                                                   top_k=5)),
+           "top_p": http.async_infer("macattn_sync", _inputs(httpclient, ps[2].numpy(), 4, top_p=2.0)),
+           "input_ids": http.async_infer("macattn_sync", _inputs(httpclient, np.zeros(0, np.int64), 4))}
+    got = [r.get_result().as_numpy("output_ids").tolist() for r in good]
+    assert got == want
+    for name, r in bad.items():
+        with pytest.raises(InferenceServerException, match=name):
+            r.get_result()
+
+
+def test_grpc_streaming_matches_model_runner(server, expected):
+    ps, want = expected
+    end_id = want[5][3]
+    stop = want[5].index(end_id)
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server["grpc_url"])
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        for i, p in enumerate(ps):
+            opt = {"end_id": end_id} if i == 5 else {}
+            client.async_stream_infer("macattn", _inputs(grpcclient, p.numpy(), NEW, **opt), request_id=str(i),
+                                      enable_empty_final_response=True)
+            if i == 3:
+                client.async_stream_infer("macattn", _inputs(grpcclient, p.numpy(), -2), request_id="bad",
+                                          enable_empty_final_response=True)
+            time.sleep(0.01)                  # staggered arrival: later requests join mid-flight
+        tokens: dict[str, list[int]] = {str(i): [] for i in range(len(ps))}
+        counts = dict.fromkeys(tokens, 0)
+        done, errors = set(), []
+        deadline = time.monotonic() + 60
+        while len(done) < len(ps) or not errors:
+            result, error = responses.get(timeout=max(0.1, deadline - time.monotonic()))
+            if error is not None:
+                errors.append(str(error))
+                continue
+            resp = result.get_response()
+            out = result.as_numpy("output_ids")
+            if out is not None:
+                tokens[resp.id] += out.tolist()
+                counts[resp.id] += 1
+            if resp.parameters["triton_final_response"].bool_param:
+                done.add(resp.id)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert len(errors) == 1 and "max_new_tokens" in errors[0]
+    expect = {str(i): w for i, w in enumerate(want)}
+    expect["5"] = want[5][:stop]              # stopped at end_id, which is not emitted
+    assert tokens == expect
+    assert counts == {k: len(v) for k, v in expect.items()}     # one streamed response per token
