@@ -19,8 +19,10 @@ Attention paths (one registered transformers attention function, switched per ru
   attention plus MAC's match/append overhead).
 * ``full_triton``: ``MacDecodePlan.run_full`` (the same attention kernel, no ring).
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention(enable_gqa=True)``.
-* ``flashinfer``: ``BatchDecodeWithPagedKVCacheWrapper`` (HND, tensor cores), one page of
-  ``T`` tokens per request over the same KV buffers.
+* ``flashinfer``: ``BatchDecodeWithPagedKVCacheWrapper`` (NHD, tensor cores) over its own
+  paged cache of 16-token pages holding the same number of random tokens (one
+  ``T``-token page per request measured its scheduling, not its bandwidth: 62 ms/step at
+  B=1 x 128K on the H100, first run).
 
 Steps are captured in a CUDA graph and replayed (``--no-cuda-graphs`` for eager); a path
 that cannot be captured is timed eagerly and says why. Configurations that do not fit in
@@ -51,7 +53,7 @@ IMPL = "macattn_bench"
 PATHS = ("mac", "full_triton", "sdpa", "flashinfer")
 
 # What the attention function needs for the current run (set before each run).
-B_ = SimpleNamespace(path=None, m=0, positions=None, slots=None, state=None, plan=None, fi=None, q_pre={},
+B_ = SimpleNamespace(path=None, m=0, positions=None, slots=None, state=None, plan=None, fi=None, fi_kv=None, q_pre={},
                      record=None, hits=None)
 
 
@@ -84,7 +86,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key[:, :, :m + 1], value[:, :, :m + 1], scale=scaling, enable_gqa=True)[:, :, 0]
     elif path == "flashinfer":
-        out = B_.fi.run(q.contiguous(), (key, value))
+        out = B_.fi.run(q.contiguous(), B_.fi_kv[layer])
     elif path == "full_triton":
         out = B_.plan.run_full(q, key, value, B_.positions, check=False)
     elif path == "mac":
@@ -211,14 +213,19 @@ def run_one(model, shapes, args, *, path: str, mode: str, context: int, B: int, 
     if path == "flashinfer":
         if fi_mod is None or device.type != "cuda":
             return {**rec, "skipped": "needs flashinfer on CUDA"}
+        # FlashInfer's own paged cache (NHD, 16-token pages, random bf16), one per layer: a single
+        # T-token page would defeat its split-KV scheduling and measure a layout, not the peer.
+        page = 16
+        per_req = -(-(m + 1) // page)
         ws = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
-        indptr = torch.arange(B + 1, dtype=torch.int32, device=device)
-        indices = torch.arange(B, dtype=torch.int32, device=device)
-        last = torch.full((B,), m + 1, dtype=torch.int32, device=device)
+        indptr = torch.arange(B + 1, dtype=torch.int32, device=device) * per_req
+        indices = torch.arange(B * per_req, dtype=torch.int32, device=device)
+        last = torch.full((B,), (m % page) + 1, dtype=torch.int32, device=device)
+        B_.fi_kv = [torch.randn(B * per_req, 2, page, hkv, d, dtype=dtype, device=device) for _ in range(L)]
         B_.fi = fi_mod.BatchDecodeWithPagedKVCacheWrapper(
-            ws, "HND", use_cuda_graph=not args.no_cuda_graphs, use_tensor_cores=True,
+            ws, "NHD", use_cuda_graph=not args.no_cuda_graphs, use_tensor_cores=True,
             paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
-        B_.fi.plan(indptr, indices, last, hq, hkv, d, T, q_data_type=dtype, kv_data_type=dtype)
+        B_.fi.plan(indptr, indices, last, hq, hkv, d, page, q_data_type=dtype, kv_data_type=dtype)
     if path == "mac":
         B_.state = MacState.allocate(mac, num_layers=L, num_slots=B, num_q_heads=hq, head_dim=d,
                                      query_dtype=dtype, device=device)
@@ -318,6 +325,9 @@ def main(argv=None) -> int:
                           dtype, device, context)
             for path in args.paths:
                 for mode in (args.modes if path == "mac" else ["-"]):
+                    B_.fi = B_.fi_kv = B_.plan = B_.state = None   # free the previous path's buffers
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
                     try:
                         rec = run_one(model, shapes, args, path=path, mode=mode, context=context, B=B, kv=kv,
                                       device=device, dtype=dtype, plan_cls=plan_cls, fi_mod=fi_mod)

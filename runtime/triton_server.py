@@ -57,11 +57,12 @@ def _stub_python_home(stub: Path, env: dict) -> Path | None:
 
 
 def _clean_path(path: str, home: Path | None) -> str:
+    """Drop ``PATH`` entries whose ``python3`` belongs to another installation than ``home``
+    (pyenv shims and versions, virtualenvs whose interpreter links one of those)."""
     keep = []
     for d in path.split(os.pathsep):
-        p = Path(d)
-        foreign = any((p / exe).exists() for exe in ("python3", "python", f"python{PYVER}")) and \
-            (p.parent / "lib" / f"python{PYVER}" / "os.py").is_file() and p.parent.resolve() != home
+        exes = [Path(d) / exe for exe in ("python3", "python", f"python{PYVER}")]
+        foreign = any(e.exists() and e.resolve().parent.parent != home for e in exes)
         if d and not foreign:
             keep.append(d)
     return os.pathsep.join(keep)
