@@ -96,10 +96,14 @@ def _mac_attention_forward(module, query, key, value, attention_mask, scaling=No
             ctx.start_batch(B)
         if ctx.slots is None:
             raise RuntimeError("MAC prefill of a continued sequence without a batch; call start_batch first")
-        if ctx.rings is not None:
-            seed_rings_(ctx.rings[layer], ctx.slots.to(query.device), query, q_pre, key, value,
+        if S == T:   # a fresh prompt: reset and seed whole ring rows with tensor ops (traceable)
+            rings = ctx.state.layer(layer) if ctx.rings is None else ctx.rings[layer]
+            seed_rings_(rings, ctx.slots.to(query.device), query, q_pre, key, value,
                         band=params.band, scale=scaling)
             return out, weights
+        if ctx.rings is not None:
+            raise NotImplementedError("graph export supports prefill of a fresh prompt only")
+        # a prompt continued in chunks: seed the chunk's positions on top of the ring
         n = min(params.window, T)
         qpos = torch.arange(S - n, S, device=query.device)
         summ = rectified_summaries_reference(query[:, :, T - n:], key, value, qpos, band=params.band, scale=scaling)
