@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (run from the repo root there; $OUT comes back):
 #   bash benchmarks/device_job.sh tests tune bench
-# Steps run in the order given: tests (GPU pytest -> junit xml + log), tune (launch-parameter sweep),
-# bench (bench_mac_decode.py; extra args in $BENCH_ARGS). FlashInfer installs from .whl/ if carried.
+# Steps run in the order given: tests (CMake native library, then every GPU test -> junit xml + log),
+# tune (launch-parameter sweep),
+# bench (bench_mac_decode.py; extra args in $BENCH_ARGS), e2e (bench_e2e.py; $E2E_ARGS). FlashInfer installs from .whl/ if carried.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/macattn_out}
@@ -16,12 +17,16 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
-    tests) timeout "${TEST_TIMEOUT:-300}" python3 -m pytest tests/plugins -m gpu -rA -p no:cacheprovider \
-             --junitxml="$OUT/junit_mac_kernels_gpu.xml" 2>&1 | tee "$OUT/pytest_mac_kernels_gpu.log" | tail -40 ;;
+    tests) (cmake -S . -B build -DCMAKE_BUILD_TYPE=Release && cmake --build build -j 16) > "$OUT/cmake_build.log" 2>&1 \
+             || { echo "cmake build failed"; tail -20 "$OUT/cmake_build.log"; }
+           timeout "${TEST_TIMEOUT:-300}" python3 -m pytest ${TESTS:-tests} -m gpu -rA -p no:cacheprovider \
+             --junitxml="$OUT/junit_gpu.xml" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40 ;;
     tune) timeout "${TUNE_TIMEOUT:-240}" python3 benchmarks/bench_mac_decode.py --tune \
              --points "${TUNE_POINTS:-1x131072,32x131072}" 2>&1 | tee "$OUT/tune.log" ;;
     bench) timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_mac_decode.py ${BENCH_ARGS:-} \
              --out "$OUT/bench_mac_decode.json" 2>&1 | tee "$OUT/bench.log" ;;
+    e2e) timeout "${E2E_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py ${E2E_ARGS:-} \
+             --out "$OUT/bench_e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -40 ;;
   esac
 done
 echo "=== done $(date +%T)"

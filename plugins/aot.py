@@ -1,0 +1,136 @@
+"""Ahead-of-time kernel images of the TensorRT plugins, built without TensorRT.
+
+``AotImage`` is exactly what a ``tensorrt.plugin.aot_impl`` hands TensorRT: the kernel
+name, its image (PTX; the cubin rides along for the CUDA-driver test and the C library),
+the launch parameters (grid, block, shared memory) and the int32 scalar arguments that sit
+between the tensor inputs and the tensor outputs. Grid entries and scalar arguments are
+*dims*: plain ``int`` here and in the tests, TensorRT's ``ShapeExpr`` inside ``aot_impl``
+(both support what the specs use: identity). Everything static (heads, window, head dim,
+band, threshold, scale) is baked into the kernel as a constexpr, since TensorRT does not
+serialize attributes of an AOT plugin.
+
+Triton 3.6 appends two hidden pointer parameters to every kernel (global and profile
+scratch). Our kernels need neither (both sizes are checked to be 0), so a launcher may pass
+null for them, as Triton's own AOT C launcher does; ``AotImage.num_params`` counts them.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["KernelSpec", "AotImage", "compile_image", "static_dim", "same_dim", "triton_ptr_type", "SM90", "HIDDEN_PARAMS"]
+
+SM90 = 90
+HIDDEN_PARAMS = 2
+
+_PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64",
+        torch.int32: "*i32"}
+
+
+def triton_ptr_type(dtype: torch.dtype, what: str) -> str:
+    """Triton signature string of a pointer to ``dtype`` (``*bf16`` ...)."""
+    try:
+        return _PTR[dtype]
+    except KeyError:
+        raise TypeError(f"{what}: dtype {dtype} is not one of {sorted(str(d) for d in _PTR)}") from None
+
+
+def static_dim(x: Any, what: str) -> int:
+    """``x`` as an int: an int, or a TensorRT dim expression that is a build-time constant."""
+    if isinstance(x, int):
+        return x
+    if getattr(x, "is_constant", False):
+        return int(x.constant_value())
+    raise ValueError(f"{what} must be a build-time constant (static in the ONNX graph), got a dynamic dim")
+
+
+def same_dim(a: Any, b: Any) -> bool:
+    """False only when both are known and differ (dynamic dims are checked by TensorRT at run time)."""
+    try:
+        return static_dim(a, "") == static_dim(b, "")
+    except ValueError:
+        return True
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel specialised for a plugin's inputs: what to compile and how to launch it.
+
+    ``signature``: runtime parameters in order (name, Triton type): the plugin's inputs,
+    int32 scalars, outputs. ``grid`` / ``extra_args``: dims (see module doc).
+    """
+
+    kernel: Any = field(compare=False, repr=False)      # the @triton.jit function
+    signature: tuple[tuple[str, str], ...]
+    constexprs: tuple[tuple[str, Any], ...]
+    grid: tuple[Any, Any, Any]
+    extra_args: tuple[Any, ...]
+    num_warps: int
+    num_stages: int = 2
+
+    @property
+    def source(self) -> tuple[str, str]:
+        """(path of the self-contained kernel file, kernel function name)."""
+        fn = self.kernel.fn
+        return inspect.getsourcefile(fn), fn.__name__
+
+    def launch_jit(self, *args: Any) -> None:
+        """Launch through Triton's JIT (or its interpreter under ``TRITON_INTERPRET=1``) with
+        these constexprs; ``args`` in ``signature`` order, ``grid`` concrete ints. The
+        reference launcher of what the compiled image computes."""
+        if len(args) != len(self.signature):
+            raise ValueError(f"{self.source[1]} takes {len(self.signature)} runtime arguments, got {len(args)}")
+        grid = tuple(int(g) for g in self.grid)
+        self.kernel[grid](*args, **dict(self.constexprs), num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+@dataclass(frozen=True)
+class AotImage:
+    """A compiled ``KernelSpec``: what ``aot_impl`` returns to TensorRT, plus the cubin."""
+
+    spec: KernelSpec
+    kernel_name: str
+    ptx: str
+    cubin: bytes
+    block: tuple[int, int, int]
+    shared_mem: int
+    num_params: int          # kernel parameters incl. the hidden scratch pointers
+    arch: int
+
+    @property
+    def grid(self) -> tuple[Any, Any, Any]:
+        return self.spec.grid
+
+    @property
+    def extra_args(self) -> tuple[Any, ...]:
+        return self.spec.extra_args
+
+
+@functools.lru_cache(maxsize=64)
+def _compile_cached(spec: KernelSpec, arch: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    sig = {**dict(spec.signature), **{k: "constexpr" for k, _ in spec.constexprs}}
+    src = triton.compiler.ASTSource(fn=spec.kernel, signature=sig, constexprs=dict(spec.constexprs))
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+    if getattr(compiled.metadata, "global_scratch_size", 0) or getattr(compiled.metadata, "profile_scratch_size", 0):
+        raise RuntimeError(f"{spec.source[1]}: needs global/profile scratch, which an AOT plugin cannot provide")
+    return compiled
+
+
+def compile_image(spec: KernelSpec, arch: int = SM90) -> AotImage:
+    """Compile ``spec`` for ``sm_<arch>`` (no GPU needed: Triton's bundled ptxas)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("TRITON_INTERPRET=1: kernels are interpreted, not compiled; use KernelSpec.launch_jit")
+    compiled = _compile_cached(spec, arch)
+    return AotImage(spec=spec, kernel_name=compiled.metadata.name, ptx=compiled.asm["ptx"],
+                    cubin=compiled.asm["cubin"], block=(compiled.metadata.num_warps * 32, 1, 1),
+                    shared_mem=int(compiled.metadata.shared), num_params=len(spec.signature) + HIDDEN_PARAMS,
+                    arch=arch)

@@ -1,0 +1,132 @@
+"""TensorRT plugin ``mac::match`` (version "1"): shape/dtype inference, AOT image, registration.
+
+The ONNX node ``macattn::MacMatch`` (``docs/graph.md``) becomes this plugin in
+``*.trt.onnx``: same inputs in the same order, attributes ``band`` (int) and ``tau`` (float).
+Inference and the AOT image are plain functions over *dims* (``int`` or TensorRT's
+``ShapeExpr``) and torch dtypes, tested without TensorRT; ``register_tensorrt`` is the thin
+skin that hands them to ``tensorrt.plugin`` (needs ``tensorrt>=10.8``).
+
+No ``from __future__ import annotations`` here: ``tensorrt.plugin`` reads the registered
+functions' annotations as classes.
+"""
+import math
+import numbers
+from typing import Any, Sequence, Tuple
+
+import torch
+
+from ..aot import AotImage, KernelSpec, compile_image, same_dim, static_dim, triton_ptr_type
+
+__all__ = ["PLUGIN_ID", "INPUTS", "OUTPUTS", "match_output_specs", "match_kernel_spec", "match_aot_image", "register_tensorrt"]
+
+PLUGIN_ID = "mac::match"
+INPUTS = ("q_pre", "qring", "ring_lse", "ring_pos", "slots", "positions")
+OUTPUTS = ("match_pos", "dist")
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_RANKS = (3, 4, 3, 2, 1, 1)
+
+
+def _check_attrs(band: int, tau: float) -> None:
+    if isinstance(band, bool) or not isinstance(band, numbers.Integral) or band < 0:
+        raise ValueError(f"band must be an int >= 0, got {band!r}")
+    if not (isinstance(tau, numbers.Real) and 0.0 <= float(tau) < 1.0):
+        raise ValueError(f"tau must be a float in [0, 1), got {tau!r}")
+
+
+def match_output_specs(shapes: Sequence[Sequence[Any]], dtypes: Sequence[torch.dtype], *, band: int,
+                       tau: float) -> list[tuple[tuple[Any, ...], torch.dtype]]:
+    """Output ``(shape, dtype)`` of ``mac::match`` from its six inputs' shapes and dtypes.
+
+    ``[(B, Hq) int64 match_pos, (B, Hq) float32 dist]``. Raises ``ValueError``/``TypeError``
+    naming the input on a rank, dim or dtype that does not fit ``docs/graph.md``.
+    """
+    _check_attrs(band, tau)
+    if len(shapes) != len(INPUTS) or len(dtypes) != len(INPUTS):
+        raise ValueError(f"mac::match takes {len(INPUTS)} inputs {INPUTS}, got {len(shapes)}")
+    for name, shape, rank in zip(INPUTS, shapes, _RANKS):
+        if len(shape) != rank:
+            raise ValueError(f"{name} must have rank {rank}, got {len(shape)}")
+    q_pre, qring, ring_lse, ring_pos, slots, positions = shapes
+    B, Hq, d = q_pre
+    S, K = qring[0], qring[2]
+    checks = (("qring", qring, (S, Hq, K, d)), ("ring_lse", ring_lse, (S, Hq, K)), ("ring_pos", ring_pos, (S, K)),
+              ("slots", slots, (B,)), ("positions", positions, (B,)))
+    for name, got, want in checks:
+        if not all(same_dim(a, b) for a, b in zip(got, want)):
+            raise ValueError(f"{name} shape {tuple(got)} does not fit q_pre [B, Hq, d] / qring [S, Hq, K, d]")
+    for name, dt in zip(INPUTS[:2], dtypes[:2]):
+        if dt not in _FLOATS:
+            raise TypeError(f"{name} must be float32/float16/bfloat16, got {dt}")
+    for name, dt, want in zip(INPUTS[2:], dtypes[2:], (torch.float32, torch.int64, torch.int64, torch.int64)):
+        if dt != want:
+            raise TypeError(f"{name} must be {want}, got {dt}")
+    return [((B, Hq), torch.int64), ((B, Hq), torch.float32)]
+
+
+def match_kernel_spec(shapes: Sequence[Sequence[Any]], dtypes: Sequence[torch.dtype], *, band: int,
+                      tau: float) -> KernelSpec:
+    """The ``mac::match`` kernel (``onepass.mac_match_onepass``) specialised for these inputs.
+
+    Grid ``(B, Hq, 1)``, one scalar argument ``B``. ``Hq``, ``K``, ``d`` must be static.
+    """
+    from .onepass import mac_match_onepass
+
+    match_output_specs(shapes, dtypes, band=band, tau=tau)
+    B = shapes[0][0]
+    Hq = static_dim(shapes[0][1], "Hq (q_pre dim 1)")
+    d = static_dim(shapes[0][2], "d (q_pre dim 2)")
+    K = static_dim(shapes[1][2], "K (qring dim 2)")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head dim d must be a power of two >= 16, got {d}")
+    thr = math.sqrt(2.0 * d) * (1.0 - float(torch.tensor(tau, dtype=torch.float32)))
+    signature = {"q_pre_ptr": triton_ptr_type(dtypes[0], "q_pre"), "qring_ptr": triton_ptr_type(dtypes[1], "qring"),
+                 "ring_lse_ptr": "*fp32", "ring_pos_ptr": "*i64", "slots_ptr": "*i64", "positions_ptr": "*i64",
+                 "B": "i32", "match_pos_ptr": "*i64", "dist_ptr": "*fp32"}
+    block_k = min(64, 1 << max(0, (K - 1).bit_length()))
+    constexprs = {"HQ": Hq, "K": K, "D": d, "BAND": band, "THR": thr, "BLOCK_K": block_k}
+    return KernelSpec(kernel=mac_match_onepass, signature=tuple(signature.items()),
+                      constexprs=tuple(constexprs.items()), grid=(B, Hq, 1), extra_args=(B,), num_warps=4)
+
+
+def match_aot_image(shapes: Sequence[Sequence[Any]], dtypes: Sequence[torch.dtype], *, band: int, tau: float,
+                    arch: int = 90) -> AotImage:
+    """The compiled ``mac::match`` image that ``aot_impl`` hands TensorRT."""
+    return compile_image(match_kernel_spec(shapes, dtypes, band=band, tau=tau), arch)
+
+
+def register_tensorrt(trtp, to_torch_dtype, to_trt_dtype) -> None:
+    """Register ``mac::match`` with ``tensorrt.plugin`` (``trtp``): descriptor, JIT impl, AOT impl."""
+    TensorDesc = trtp.TensorDesc
+
+    @trtp.register(PLUGIN_ID)
+    def _match_desc(q_pre: TensorDesc, qring: TensorDesc, ring_lse: TensorDesc, ring_pos: TensorDesc,
+                    slots: TensorDesc, positions: TensorDesc, band: int, tau: float
+                    ) -> Tuple[TensorDesc, TensorDesc]:
+        ins = (q_pre, qring, ring_lse, ring_pos, slots, positions)
+        specs = match_output_specs([t.shape_expr for t in ins], [to_torch_dtype(t.dtype) for t in ins],
+                                   band=band, tau=tau)
+        return tuple(trtp.from_shape_expr(tuple(shape), dtype=to_trt_dtype(dt)) for shape, dt in specs)
+
+    @trtp.impl(PLUGIN_ID)
+    def _match_impl(q_pre: trtp.Tensor, qring: trtp.Tensor, ring_lse: trtp.Tensor, ring_pos: trtp.Tensor,
+                    slots: trtp.Tensor, positions: trtp.Tensor, band: int, tau: float,
+                    outputs: Tuple[trtp.Tensor], stream: int) -> None:
+        import macattn.ops  # noqa: F401
+
+        t = [torch.as_tensor(x, device="cuda") for x in (q_pre, qring, ring_lse, ring_pos, slots, positions)]
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            match_pos, dist = torch.ops.macattn.mac_match(*t, band, tau)
+            torch.as_tensor(outputs[0], device="cuda").copy_(match_pos)
+            torch.as_tensor(outputs[1], device="cuda").copy_(dist)
+
+    @trtp.aot_impl(PLUGIN_ID)
+    def _match_aot(q_pre: TensorDesc, qring: TensorDesc, ring_lse: TensorDesc, ring_pos: TensorDesc,
+                   slots: TensorDesc, positions: TensorDesc, band: int, tau: float,
+                   outputs: Tuple[TensorDesc], tactic: int):
+        ins = (q_pre, qring, ring_lse, ring_pos, slots, positions)
+        image = match_aot_image([t.shape_expr for t in ins], [to_torch_dtype(t.dtype) for t in ins],
+                                band=band, tau=tau)
+        from ..tensorrt_plugins import image_to_tensorrt
+
+        return image_to_tensorrt(trtp, image)
+
