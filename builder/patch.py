@@ -51,6 +51,10 @@ class MacAttentionContext:
     tensor ops only (``macattn.builder.seeding``), so the call traces into one graph.
     collect_diagnostics: False skips ``state.diagnostics`` (host-side accumulation).
     last_match_pos: ``layer -> match_pos [B, Hq]`` int64 of the latest decode call.
+    paged: set by the runtime's GPU decode (``macattn.runtime.paged_decode``): key/value
+    reaching the attention are the paged pool ``[num_blocks, block_size, Hkv, d]`` and the
+    step runs the layer's ``MacDecodePlan`` over ``paged.page_table`` (no host sync, CUDA-graph
+    capturable; diagnostics are recorded by the caller after the step).
     """
 
     config: MacConfig
@@ -65,6 +69,7 @@ class MacAttentionContext:
     rings: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     collect_diagnostics: bool = True
     last_match_pos: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    paged: object | None = None
 
     def start_batch(self, batch_size: int) -> None:
         """Release the previous call's slots and take fresh (reset) ones for ``batch_size`` requests."""
@@ -124,6 +129,8 @@ def _mac_attention_forward(module, query, key, value, attention_mask, scaling=No
     q = query[:, :, 0]
     qp = q_pre[:, :, 0]
     rings = ctx.state.layer(layer) if ctx.rings is None else ctx.rings[layer]
+    if ctx.paged is not None:
+        return ctx.paged.attend(layer, params, q, qp, key, value, positions, slots, rings).unsqueeze(1), None
     if params.enabled:
         match_pos, _ = torch.ops.macattn.mac_match(qp, rings[0], rings[2], rings[3], slots, positions,
                                                     params.band, params.tau)

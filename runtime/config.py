@@ -26,8 +26,9 @@ class RuntimeConfig:
     num_blocks: KV blocks in the pool; ``None`` = enough for ``max_batch_size`` requests of
         ``max_seq_len`` tokens.
     device: where weights, KV blocks and rings live (``"cpu"`` runs the reference ops).
-    use_cuda_graphs: capture decode steps per batch bucket (GPU path only; on the CPU it
-        raises ``NotImplementedError``).
+    use_cuda_graphs: capture decode steps per batch bucket and replay them (CUDA only; on
+        the CPU it raises ``NotImplementedError``). On CUDA decode always runs the Triton plan
+        over the paged pool (``runtime/paged_decode.py``); this only chooses graph or eager.
     """
 
     max_batch_size: int = 8
@@ -52,10 +53,6 @@ class RuntimeConfig:
             raise NotImplementedError(
                 "use_cuda_graphs=True needs device='cuda' (CUDA graphs per batch bucket over the "
                 "Triton kernels of macattn.plugins); the CPU path runs the reference ops eagerly")
-        if self.use_cuda_graphs:
-            raise NotImplementedError(
-                "use_cuda_graphs: the CUDA-graph decode path is provided by the GPU runtime "
-                "(macattn.plugins); it is not part of this CPU runtime yet")
         object.__setattr__(self, "device", str(dev))
 
     def resolved(self, model_max_positions: int) -> "RuntimeConfig":

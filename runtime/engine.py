@@ -67,7 +67,7 @@ class LLMEngine:
         self.config = config
         self.mac_config = mac_config if mac_config is not None else MacConfig(enabled=False)
         self.executor = ModelExecutor(model, self.mac_config, config)
-        self.slot_states = SlotStates(config.max_batch_size, self.executor.ctx.state)
+        self.slot_states = SlotStates(self.executor.ctx.state.num_slots, self.executor.ctx.state)
         self.scheduler = Scheduler(self.slot_states, self.executor.blocks)
         self.vocab_size = model.config.vocab_size
         self.requests: dict[int, Sequence] = {}

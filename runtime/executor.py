@@ -5,7 +5,9 @@ The model is patched in place (``macattn.builder.patch``) and its MAC context is
 runtime mode: the runtime sets ``ctx.slots`` (ring rows) and, for decode, ``ctx.positions``
 (per-request ``m``) before each call. Per-request RoPE comes from explicit
 ``position_ids``; K/V go through ``PrefillView`` / ``DecodeView`` into the paged pool.
-On the CPU the MAC ops run their reference implementation.
+On the CPU the MAC ops run their reference implementation; on CUDA, decode goes through
+``PagedDecoder`` (the Triton plan over the paged pool, CUDA graphs per batch bucket), which
+pads batches with a scratch ring slot and a scratch KV block reserved here.
 """
 from __future__ import annotations
 
@@ -30,15 +32,24 @@ class ModelExecutor:
         self.config = config
         self.device = torch.device(config.device)
         self.model = model.to(self.device).eval()
-        self.ctx = patch_model(self.model, mac_config, num_slots=config.max_batch_size)
+        gpu = self.device.type == "cuda"
+        # on CUDA one extra ring slot and KV block are the padding rows' scratch (never a request's)
+        self.ctx = patch_model(self.model, mac_config, num_slots=config.max_batch_size + gpu)
         self.ctx.runtime_slots = True
+        self.scratch_slot = self.ctx.state.acquire() if gpu else None
+        self.scratch_block = config.num_blocks if gpu else None
         self.num_layers = hf.num_hidden_layers
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.dtype = next(model.parameters()).dtype
         self.blocks = BlockManager(config.num_blocks, config.block_size)
-        self.kv = PagedKVCache(num_layers=self.num_layers, num_blocks=config.num_blocks,
+        self.kv = PagedKVCache(num_layers=self.num_layers, num_blocks=config.num_blocks + gpu,
                                block_size=config.block_size, num_kv_heads=hf.num_key_value_heads,
                                head_dim=self.head_dim, dtype=self.dtype, device=self.device)
+        self.paged = None
+        if gpu:
+            from .paged_decode import PagedDecoder
+
+            self.paged = PagedDecoder(self, use_cuda_graphs=config.use_cuda_graphs)
 
     @torch.inference_mode()
     def prefill(self, seq: Sequence) -> torch.Tensor:
@@ -62,6 +73,8 @@ class ModelExecutor:
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed each request's last generated token at its position ``m = num_tokens - 1``.
         Returns logits ``[B, V]``."""
+        if self.paged is not None:
+            return self.paged.decode(seqs)
         B = len(seqs)
         m = [s.num_tokens - 1 for s in seqs]
         ids = torch.tensor([[s.output[-1]] for s in seqs], dtype=torch.int64, device=self.device)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["PagedKVCache", "PrefillView", "DecodeView"]
+__all__ = ["PagedKVCache", "PrefillView", "DecodeView", "PagedWriteView"]
 
 
 class PagedKVCache:
@@ -23,6 +23,12 @@ class PagedKVCache:
         self.k = [torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.block_size = block_size
+
+    def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s pool as pages ``[num_blocks, block_size, Hkv, d]`` (FlashInfer NHD), views."""
+        k, v = self.k[layer], self.v[layer]
+        shape = (k.shape[0] // self.block_size, self.block_size, *k.shape[1:])
+        return k.view(shape), v.view(shape)
 
     @property
     def bytes(self) -> int:
@@ -56,3 +62,18 @@ class DecodeView:
         k[self.write_rows] = key[:, :, 0].to(k.dtype)
         v[self.write_rows] = value[:, :, 0].to(v.dtype)
         return k[self.gather_rows].transpose(1, 2), v[self.gather_rows].transpose(1, 2)
+
+
+class PagedWriteView:
+    """GPU decode of ``B`` requests: writes each new token's K/V to ``write_rows [B]`` (static
+    tensor, ``index_copy_``: capturable) and hands the attention the whole pool as pages
+    ``[num_blocks, block_size, Hkv, d]``; the MAC plan reads it through a page table."""
+
+    def __init__(self, cache: PagedKVCache, write_rows: torch.Tensor) -> None:
+        self.cache, self.write_rows = cache, write_rows
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        k, v = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        k.index_copy_(0, self.write_rows, key[:, :, 0].to(k.dtype))
+        v.index_copy_(0, self.write_rows, value[:, :, 0].to(v.dtype))
+        return self.cache.pages(layer_idx)

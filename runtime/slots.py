@@ -57,7 +57,8 @@ class SlotStates:
         self.mac = mac
         self.states: dict[str, PerSlotState] = {}
         self._free = list(range(num_slots - 1, -1, -1))   # used only without a MacState
-        self._in_use: set[int] = set()
+        # slots the MacState already lent out (e.g. the GPU executor's padding scratch) stay taken
+        self._in_use: set[int] = set() if mac is None else set(mac.in_use.nonzero().flatten().tolist())
 
     def register(self, name: str, state: PerSlotState) -> PerSlotState:
         if not isinstance(state, PerSlotState):

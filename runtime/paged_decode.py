@@ -1,0 +1,167 @@
+"""GPU decode: the patched model over the paged KV pool with the Triton MAC plan, per batch
+bucket, replayed as a CUDA graph.
+
+FlashInfer's plan()/run() split, applied to the whole model step: per batch bucket
+``nb`` (powers of two up to ``max_batch_size``) one ``DecodeBucket`` holds the static
+inputs (token ids, positions ``m``, ring slots, page table, KV write rows), one
+``MacDecodePlan`` per distinct layer configuration (window, band, tau) and, with
+``use_cuda_graphs``, the captured step. ``decode`` pads a batch of ``B <= nb`` requests
+with rows that point at a scratch ring slot and a scratch KV block (owned by the executor,
+never handed to a request), so padding never touches a request's state.
+
+The attention of every layer (``macattn.builder.patch``, ``ctx.paged``) runs
+``MacDecodePlan.run`` (match, device-side plan, split-KV attention over the pages, merge +
+ring append) or ``run_full`` for layers with MAC off: no host synchronisation anywhere in
+the step. Diagnostics (hit rate, skipped prefix, gap) are recorded after the step from the
+per-layer ``match_pos`` buffers of the real rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import PagedWriteView
+
+__all__ = ["DecodeBucket", "PagedDecoder"]
+
+
+@dataclass
+class DecodeBucket:
+    """Static tensors of one batch bucket (``nb`` rows, on the model's device).
+
+    ids ``[nb, 1]`` int64, positions ``[nb]`` int64, slots ``[nb]`` int64, page_table
+    ``[nb, max_pages]`` int32, write_rows ``[nb]`` int64 (flat pool row of position ``m``),
+    mask ``[nb, 1, 1, 1]`` bool (all true: the op masks by position). plans: layer params
+    -> ``MacDecodePlan``. match_pos: layer -> ``[nb, Hq]`` int64 written each step.
+    """
+
+    nb: int
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    page_table: torch.Tensor
+    write_rows: torch.Tensor
+    mask: torch.Tensor
+    plans: dict = field(default_factory=dict)
+    match_pos: dict = field(default_factory=dict)
+    logits: torch.Tensor | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+
+    def attend(self, layer, params, q, q_pre, k_pages, v_pages, positions, slots, rings):
+        """The layer's attention for this bucket (called by the patched attention, ``ctx.paged``)."""
+        plan = self.plans[(params.window, params.band, params.tau)]
+        if params.enabled:
+            out, match_pos, _ = plan.run(q, q_pre, k_pages, v_pages, positions, slots, *rings,
+                                         page_table=self.page_table, check=False)
+            buf = self.match_pos.get(layer)
+            if buf is None:
+                buf = self.match_pos[layer] = torch.empty_like(match_pos)
+            buf.copy_(match_pos)
+            return out
+        self.match_pos.pop(layer, None)
+        return plan.run_full(q, k_pages, v_pages, positions, page_table=self.page_table, check=False)
+
+
+class PagedDecoder:
+    """Decode steps of a ``ModelExecutor`` on CUDA (see module doc)."""
+
+    def __init__(self, executor, *, use_cuda_graphs: bool) -> None:
+        from macattn.plugins.decode_plan import MacDecodePlan
+
+        self.ex = executor
+        self.use_cuda_graphs = use_cuda_graphs
+        self._plan_cls = MacDecodePlan
+        cfg = executor.config
+        self.max_pages = -(-cfg.max_seq_len // cfg.block_size)
+        self.buckets: dict[int, DecodeBucket] = {}
+        sizes, n = [], 1
+        while n < cfg.max_batch_size:
+            sizes.append(n)
+            n *= 2
+        self.sizes = sizes + [cfg.max_batch_size]
+
+    def bucket_size(self, batch: int) -> int:
+        return next(n for n in self.sizes if n >= batch)
+
+    # --- buckets ---------------------------------------------------------------------------
+    def _new_bucket(self, nb: int) -> DecodeBucket:
+        ex, dev = self.ex, self.ex.device
+        hf = ex.model.config
+        b = DecodeBucket(
+            nb=nb,
+            ids=torch.zeros(nb, 1, dtype=torch.int64, device=dev),
+            positions=torch.zeros(nb, dtype=torch.int64, device=dev),
+            slots=torch.full((nb,), ex.scratch_slot, dtype=torch.int64, device=dev),
+            page_table=torch.full((nb, self.max_pages), ex.scratch_block, dtype=torch.int32, device=dev),
+            write_rows=torch.full((nb,), ex.scratch_block * ex.config.block_size, dtype=torch.int64, device=dev),
+            mask=torch.ones(nb, 1, 1, 1, dtype=torch.bool, device=dev))
+        for layer in range(ex.num_layers):
+            p = ex.ctx.config.for_layer(layer)
+            key = (p.window, p.band, p.tau)
+            if key not in b.plans:
+                b.plans[key] = self._plan_cls(
+                    batch_size=nb, max_context=ex.config.max_seq_len, num_q_heads=hf.num_attention_heads,
+                    num_kv_heads=hf.num_key_value_heads, head_dim=ex.head_dim, window=p.window, band=p.band,
+                    tau=p.tau, page_size=ex.config.block_size, q_dtype=ex.dtype, device=dev)
+        if self.use_cuda_graphs:
+            # warm-up and capture on scratch rows only (slot, block, position 0): no request state is touched
+            s = torch.cuda.Stream(dev)
+            s.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    self._forward(b)
+            torch.cuda.current_stream(dev).wait_stream(s)
+            b.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(b.graph):
+                b.logits = self._forward(b)
+        return b
+
+    def _forward(self, b: DecodeBucket) -> torch.Tensor:
+        ex = self.ex
+        ctx = ex.ctx
+        ctx.slots, ctx.positions, ctx.paged = b.slots, b.positions, b
+        try:
+            out = ex.model(input_ids=b.ids, position_ids=b.positions.view(b.nb, 1), attention_mask=b.mask,
+                           past_key_values=PagedWriteView(ex.kv, b.write_rows), use_cache=True, logits_to_keep=1)
+        finally:
+            ctx.slots = ctx.positions = ctx.paged = None
+        return out.logits[:, -1]
+
+    # --- one step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode(self, seqs) -> torch.Tensor:
+        """Logits ``[B, V]`` of each request's token at ``m = num_tokens - 1``; writes its K/V and
+        appends to its rings."""
+        ex = self.ex
+        B = len(seqs)
+        nb = self.bucket_size(B)
+        b = self.buckets.get(nb)
+        if b is None:
+            b = self.buckets[nb] = self._new_bucket(nb)
+        bs = ex.config.block_size
+        m = [s.num_tokens - 1 for s in seqs]
+        table = torch.full((nb, self.max_pages), ex.scratch_block, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            table[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        rows = torch.full((nb,), ex.scratch_block * bs, dtype=torch.int64)
+        rows[:B] = torch.tensor([s.block_table[x // bs] * bs + x % bs for s, x in zip(seqs, m)], dtype=torch.int64)
+        pad = nb - B
+        b.ids.copy_(torch.tensor([[s.output[-1]] for s in seqs] + [[0]] * pad), non_blocking=True)
+        b.positions.copy_(torch.tensor(m + [0] * pad), non_blocking=True)
+        b.slots.copy_(torch.tensor([s.slot for s in seqs] + [ex.scratch_slot] * pad), non_blocking=True)
+        b.page_table.copy_(table, non_blocking=True)
+        b.write_rows.copy_(rows, non_blocking=True)
+        if b.graph is not None:
+            b.graph.replay()
+            logits = b.logits[:B].clone()
+        else:
+            logits = self._forward(b)[:B]
+        ctx = ex.ctx
+        if ctx.collect_diagnostics:
+            for layer, mp in b.match_pos.items():
+                p = ctx.config.for_layer(layer)
+                ctx.state.diagnostics.record(layer, mp[:B], b.positions[:B], p.band)
+        for layer, mp in b.match_pos.items():
+            ctx.last_match_pos[layer] = mp[:B]
+        return logits
