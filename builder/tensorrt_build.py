@@ -83,6 +83,10 @@ def build_tensorrt_engines(out: Path, dims: dict, *, max_batch: int, max_context
             errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
             raise RuntimeError(f"TensorRT could not parse {trt_onnx}: {errors}")
         config = builder.create_builder_config()
+        # mac::attend declares its four ring outputs aliased to its ring inputs (IPluginV3OneBuildV2::
+        # getAliasedInput); TensorRT honours that only with this preview feature (10.3+), else each
+        # step would copy every ring
+        config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
         profile = builder.create_optimization_profile()
         graph = onnx.load(str(trt_onnx), load_external_data=False).graph
         axes = {vi.name: [d.dim_param for d in vi.type.tensor_type.shape.dim] for vi in graph.input}
