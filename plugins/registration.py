@@ -8,13 +8,16 @@ from __future__ import annotations
 import torch
 
 import macattn.ops  # noqa: F401  (defines the ops)
+import macattn.ops_mka  # noqa: F401  (defines macattn::route_fused_attention)
 
 from .mac_attend.op import mac_attend_triton
 from .mac_match.op import mac_match_triton
+from .route_fused.op import route_fused_attention_triton
 
 __all__ = ["REGISTERED"]
 
 torch.library.register_kernel("macattn::mac_match", "cuda", mac_match_triton)
 torch.library.register_kernel("macattn::mac_attend", "cuda", mac_attend_triton)
+torch.library.register_kernel("macattn::route_fused_attention", "cuda", route_fused_attention_triton)
 
-REGISTERED = ("macattn::mac_match", "macattn::mac_attend")
+REGISTERED = ("macattn::mac_match", "macattn::mac_attend", "macattn::route_fused_attention")

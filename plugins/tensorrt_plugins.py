@@ -70,15 +70,17 @@ def image_to_tensorrt(trtp, image: AotImage):
 
 
 def register_all() -> tuple[str, ...]:
-    """Register ``mac::match`` and ``mac::attend`` once; returns their plugin ids."""
+    """Register ``mac::match``, ``mac::attend`` and ``mac::route_fused`` once; returns their plugin ids."""
     global _REGISTERED
     trt, trtp = require_tensorrt()
     from .mac_attend import plugin as attend_plugin
     from .mac_match import plugin as match_plugin
+    from .route_fused import plugin as route_plugin
 
     if not _REGISTERED:
         to_torch, to_trt = _dtype_maps(trt)
         match_plugin.register_tensorrt(trtp, to_torch, to_trt)
         attend_plugin.register_tensorrt(trtp, to_torch, to_trt)
+        route_plugin.register_tensorrt(trtp, to_torch, to_trt)
         _REGISTERED = True
-    return (match_plugin.PLUGIN_ID, attend_plugin.PLUGIN_ID)
+    return (match_plugin.PLUGIN_ID, attend_plugin.PLUGIN_ID, route_plugin.PLUGIN_ID)

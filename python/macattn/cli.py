@@ -60,6 +60,10 @@ def _cmd_build(args) -> int:
     return 0
 
 
+# modules whose register(sub) adds their own subcommands (training and evaluation tools)
+COMMAND_MODULES = ("macattn.finetune_mka",)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="macattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=False)
@@ -99,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     tri.add_argument("--per-layer", default=None, help="MacConfig JSON overriding the engine's MAC config")
     tri.add_argument("--no-sync-model", action="store_true", help="write only the decoupled streaming model")
     tri.set_defaults(func=_cmd_triton_repo)
+
+    import importlib
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
     return parser
 
 

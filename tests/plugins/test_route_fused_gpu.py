@@ -1,0 +1,168 @@
+"""Triton ``macattn::route_fused_attention`` against the fp64 reference (``macattn.mka``).
+
+``@pytest.mark.gpu``, skipped without CUDA or triton; ``MACATTN_TRITON_INTERPRET=1`` runs the
+same tests through Triton's interpreter on CPU tensors. Inputs are fresh random draws, outputs
+NaN-poisoned (the launcher's allocator is swapped for one that fills with NaN, scratch included),
+state rows of other slots must stay untouched.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("MACATTN_TRITON_INTERPRET", "0") == "1"
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+try:
+    import triton  # noqa: F401
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+from macattn.mka import route_fused_decode_reference  # noqa: E402
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed"),
+    pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# (B, D, Dq, R, Nk, S); interpreter shapes stay tiny
+SHAPES = [(1, 32, 32, 8, 16, 2), (3, 48, 64, 5, 24, 5), (2, 96, 96, 16, 40, 4), (9, 32, 16, 4, 12, 11)]
+if not INTERPRET:
+    SHAPES += [(8, 4096, 4096, 64, 1024, 16), (5, 896, 896, 64, 128, 8), (1, 256, 256, 64, 64, 2), (19, 1024, 1024, 64, 256, 24)]
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    from macattn.plugins.route_fused import op
+
+    def nan_empty(*shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    monkeypatch.setattr(op, "_alloc", nan_empty)
+
+
+def _triton():
+    from macattn.plugins.route_fused.op import route_fused_attention_triton
+    return route_fused_attention_triton
+
+
+def _problem(B, D, Dq, R, N, S, dtype, seed, gate):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    x, q = r(B, D), r(B, Dq)
+    w1, b1, w2, b2 = r(R, Dq) / Dq ** 0.5, r(R), r(3, R), r(3)
+    wk, bk, wv, bv = r(N, D) / D ** 0.5, r(N), r(N, D) / D ** 0.5, r(N)
+    mean = r(S, D)
+    count = torch.randint(0, 50, (S,), generator=g)
+    count[0] = 0    # a fresh slot
+    slots = torch.randperm(S, generator=g)[:B]
+    ins = dict(x=x.to(dtype), q=q.to(dtype), w1=w1.to(dtype), b1=b1.to(dtype), w2=w2.to(dtype), b2=b2.to(dtype),
+               gate=torch.tensor(gate, dtype=dtype), wk=wk.to(dtype), bk=bk.to(dtype), wv=wv.to(dtype), bv=bv.to(dtype))
+    return ins, mean, count, slots
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode,beta", [(0, 0.0), (1, 0.9)])
+@pytest.mark.parametrize("gate", [0.0, 0.6, 1.0])
+def test_route_fused_matches_reference(shape, dtype, mode, beta, gate):
+    B, D, Dq, R, N, S = shape
+    ins, mean, count, slots = _problem(B, D, Dq, R, N, S, dtype, seed=hash((shape, mode, gate)) % 10_000, gate=gate)
+    ref_mean, ref_count = mean.double(), count.clone()
+    up = {k: v.double() for k, v in ins.items()}
+    rk, rv, rlam = route_fused_decode_reference(up["x"], up["q"], up["w1"], up["b1"], up["w2"], up["b2"], up["gate"],
+                                                ref_mean, ref_count, slots, up["wk"], up["bk"], up["wv"], up["bv"],
+                                                mode, beta, compute_dtype=torch.float64)
+    dev = {k: v.to(DEVICE) for k, v in ins.items()}
+    d_mean, d_count, d_slots = mean.to(DEVICE), count.to(DEVICE), slots.to(DEVICE)
+    k, v, lam = _triton()(dev["x"], dev["q"], dev["w1"], dev["b1"], dev["w2"], dev["b2"], dev["gate"], d_mean, d_count,
+                          d_slots, dev["wk"], dev["bk"], dev["wv"], dev["bv"], mode, beta)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for out in (k, v, lam):
+        assert torch.isfinite(out).all()
+    assert k.dtype == dtype and v.dtype == dtype and lam.dtype == torch.float32
+    assert _rel(k.cpu(), rk) <= tol and _rel(v.cpu(), rv) <= tol
+    assert (lam.cpu().double() - rlam).abs().max().item() <= 1e-5
+    if gate == 0.0:
+        assert torch.equal(lam.cpu(), torch.tensor([[1.0, 0.0, 0.0]]).expand(B, 3))
+    assert torch.equal(d_count.cpu(), ref_count)
+    assert _rel(d_mean.cpu(), ref_mean) <= 1e-5
+    untouched = torch.ones(S, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(d_mean.cpu()[untouched], mean[untouched])
+
+
+def test_route_fused_mixed_dtypes_fp32_router_bf16_activations():
+    """The patched model's case: fp32 router weights and gate, bf16 activations and K/V weights."""
+    ins, mean, count, slots = _problem(4, 64, 48, 8, 24, 6, torch.bfloat16, seed=11, gate=0.7)
+    for name in ("w1", "b1", "w2", "b2", "gate"):
+        ins[name] = ins[name].float()
+    up = {k: v.double() for k, v in ins.items()}
+    ref_mean, ref_count = mean.double(), count.clone()
+    rk, rv, rlam = route_fused_decode_reference(up["x"], up["q"], up["w1"], up["b1"], up["w2"], up["b2"], up["gate"],
+                                                ref_mean, ref_count, slots, up["wk"], up["bk"], up["wv"], up["bv"],
+                                                0, 0.0, compute_dtype=torch.float64)
+    dev = {k: v.to(DEVICE) for k, v in ins.items()}
+    d_mean, d_count = mean.to(DEVICE), count.to(DEVICE)
+    k, v, lam = _triton()(dev["x"], dev["q"], dev["w1"], dev["b1"], dev["w2"], dev["b2"], dev["gate"], d_mean, d_count,
+                          slots.to(DEVICE), dev["wk"], dev["bk"], dev["wv"], dev["bv"], 0, 0.0)
+    assert k.dtype == torch.bfloat16
+    assert _rel(k.cpu(), rk) <= 1e-2 and _rel(v.cpu(), rv) <= 1e-2
+    assert (lam.cpu().double() - rlam).abs().max().item() <= 1e-5
+    assert torch.equal(d_count.cpu(), ref_count)
+
+
+def test_route_fused_op_dispatches_to_triton():
+    if INTERPRET:
+        pytest.skip("dispatch to the CUDA kernel needs a CUDA device")
+    import macattn.plugins  # noqa: F401  (registers the CUDA kernel)
+    import macattn.ops_mka  # noqa: F401
+    ins, mean, count, slots = _problem(2, 64, 64, 8, 32, 3, torch.bfloat16, seed=3, gate=0.5)
+    dev = {k: v.cuda() for k, v in ins.items()}
+    m1, c1 = mean.cuda(), count.cuda()
+    m2, c2 = mean.cuda(), count.cuda()
+    args = lambda m, c: (dev["x"], dev["q"], dev["w1"], dev["b1"], dev["w2"], dev["b2"], dev["gate"], m, c,  # noqa: E731
+                         slots.cuda(), dev["wk"], dev["bk"], dev["wv"], dev["bv"], 0, 0.0)
+    a = torch.ops.macattn.route_fused_attention(*args(m1, c1))
+    b = _triton()(*args(m2, c2))
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert torch.equal(m1, m2) and torch.equal(c1, c2)
+
+
+def test_route_fused_cuda_graph_replay_carries_state():
+    if INTERPRET:
+        pytest.skip("CUDA graphs need a CUDA device")
+    ins, mean, count, slots = _problem(4, 128, 128, 16, 64, 6, torch.bfloat16, seed=5, gate=0.7)
+    dev = {k: v.cuda() for k, v in ins.items()}
+    d_mean, d_count, d_slots = mean.cuda(), count.cuda(), slots.cuda()
+    call = lambda: _triton()(dev["x"], dev["q"], dev["w1"], dev["b1"], dev["w2"], dev["b2"], dev["gate"],  # noqa: E731
+                             d_mean, d_count, d_slots, dev["wk"], dev["bk"], dev["wv"], dev["bv"], 1, 0.8)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        call()   # warm-up compiles (and is one step of state)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = call()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    ref_mean, ref_count = mean.double(), count.clone()
+    up = {k: v.double() for k, v in ins.items()}
+    for _ in range(5):   # warm-up + capture + 3 replays each advance the state once
+        rk, rv, _ = route_fused_decode_reference(up["x"], up["q"], up["w1"], up["b1"], up["w2"], up["b2"], up["gate"],
+                                                 ref_mean, ref_count, slots, up["wk"], up["bk"], up["wv"], up["bv"],
+                                                 1, 0.8, compute_dtype=torch.float64)
+    assert torch.equal(d_count.cpu(), ref_count)
+    assert _rel(d_mean.cpu(), ref_mean) <= 1e-5
+    assert _rel(outs[0].cpu(), rk) <= 1e-2
