@@ -68,6 +68,8 @@ class LLMEngine:
         self.mac_config = mac_config if mac_config is not None else MacConfig(enabled=False)
         self.executor = ModelExecutor(model, self.mac_config, config)
         self.slot_states = SlotStates(self.executor.ctx.state.num_slots, self.executor.ctx.state)
+        if self.executor.mka_state is not None:
+            self.slot_states.register("fastmka", self.executor.mka_state)
         self.scheduler = Scheduler(self.slot_states, self.executor.blocks)
         self.vocab_size = model.config.vocab_size
         self.requests: dict[int, Sequence] = {}

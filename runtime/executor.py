@@ -45,11 +45,27 @@ class ModelExecutor:
         self.kv = PagedKVCache(num_layers=self.num_layers, num_blocks=config.num_blocks + gpu,
                                block_size=config.block_size, num_kv_heads=hf.num_key_value_heads,
                                head_dim=self.head_dim, dtype=self.dtype, device=self.device)
+        # FastMKA (``macattn.mka_patch.patch_mka`` applied before): its per-request session summary
+        # lives in runtime-owned slots, the rows of the MAC rings (registered with SlotStates)
+        self.mka_ctx = getattr(self.model, "_mka_ctx", None)
+        self.mka_state = None
+        if self.mka_ctx is not None:
+            from .mka_state import MkaState
+
+            self.mka_state = MkaState.allocate(num_layers=self.num_layers, num_slots=self.ctx.state.num_slots,
+                                               hidden_size=hf.hidden_size, device=self.device)
+            self.mka_ctx.state = self.mka_state
         self.paged = None
         if gpu:
             from .paged_decode import PagedDecoder
 
             self.paged = PagedDecoder(self, use_cuda_graphs=config.use_cuda_graphs)
+
+    def set_slots(self, slots: torch.Tensor | None) -> None:
+        """The state rows of the requests in the next call (MAC rings and, if patched, FastMKA)."""
+        self.ctx.slots = slots
+        if self.mka_ctx is not None:
+            self.mka_ctx.slots = None if slots is None else slots.to(self.device)
 
     @torch.inference_mode()
     def prefill(self, seq: Sequence) -> torch.Tensor:
@@ -60,13 +76,13 @@ class ModelExecutor:
         pos = torch.arange(L, device=self.device).unsqueeze(0)
         mask = torch.ones(L, L, dtype=torch.bool, device=self.device).tril().view(1, 1, L, L)
         view = PrefillView(self.kv, self.blocks.rows(seq, 0, L))
-        self.ctx.slots = torch.tensor([seq.slot], dtype=torch.int64)
+        self.set_slots(torch.tensor([seq.slot], dtype=torch.int64))
         self.ctx.positions = None
         try:
             out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=view,
                              use_cache=True, logits_to_keep=1)
         finally:
-            self.ctx.slots = None
+            self.set_slots(None)
         return out.logits[0, -1]
 
     @torch.inference_mode()
@@ -84,13 +100,13 @@ class ModelExecutor:
         write = torch.stack([self.blocks.rows(s, x, x + 1)[0] for s, x in zip(seqs, m)])
         T = gather.shape[1]
         mask = (torch.arange(T, device=self.device).view(1, T) <= positions.view(B, 1)).view(B, 1, 1, T)
-        self.ctx.slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64)
+        self.set_slots(torch.tensor([s.slot for s in seqs], dtype=torch.int64))
         self.ctx.positions = positions
         try:
             out = self.model(input_ids=ids, position_ids=positions.view(B, 1), attention_mask=mask,
                              past_key_values=DecodeView(self.kv, write, gather), use_cache=True,
                              logits_to_keep=1)
         finally:
-            self.ctx.slots = None
+            self.set_slots(None)
             self.ctx.positions = None
         return out.logits[:, -1]

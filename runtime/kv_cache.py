@@ -42,6 +42,10 @@ class PrefillView:
     def __init__(self, cache: PagedKVCache, rows: torch.Tensor) -> None:
         self.cache, self.rows = cache, rows.to(cache.k[0].device)
 
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens cached before this call: none (a fresh prompt; FastMKA resets its summary)."""
+        return 0
+
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.cache.k[layer_idx][self.rows] = key[0].transpose(0, 1).to(self.cache.k[layer_idx].dtype)
         self.cache.v[layer_idx][self.rows] = value[0].transpose(0, 1).to(self.cache.v[layer_idx].dtype)
@@ -57,6 +61,10 @@ class DecodeView:
         dev = cache.k[0].device
         self.cache, self.write_rows, self.gather_rows = cache, write_rows.to(dev), gather_rows.to(dev)
 
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens cached before this call (the longest request's; > 0 for every decode)."""
+        return int(self.gather_rows.shape[1]) - 1
+
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         k, v = self.cache.k[layer_idx], self.cache.v[layer_idx]
         k[self.write_rows] = key[:, :, 0].to(k.dtype)
@@ -71,6 +79,10 @@ class PagedWriteView:
 
     def __init__(self, cache: PagedKVCache, write_rows: torch.Tensor) -> None:
         self.cache, self.write_rows = cache, write_rows
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """> 0: a decode step continues cached requests (no host sync to say how far)."""
+        return 1
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         k, v = self.cache.k[layer_idx], self.cache.v[layer_idx]

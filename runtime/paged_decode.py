@@ -120,12 +120,14 @@ class PagedDecoder:
     def _forward(self, b: DecodeBucket) -> torch.Tensor:
         ex = self.ex
         ctx = ex.ctx
-        ctx.slots, ctx.positions, ctx.paged = b.slots, b.positions, b
+        ex.set_slots(b.slots)
+        ctx.positions, ctx.paged = b.positions, b
         try:
             out = ex.model(input_ids=b.ids, position_ids=b.positions.view(b.nb, 1), attention_mask=b.mask,
                            past_key_values=PagedWriteView(ex.kv, b.write_rows), use_cache=True, logits_to_keep=1)
         finally:
-            ctx.slots = ctx.positions = ctx.paged = None
+            ex.set_slots(None)
+            ctx.positions = ctx.paged = None
         return out.logits[:, -1]
 
     # --- one step --------------------------------------------------------------------------
