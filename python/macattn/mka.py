@@ -117,8 +117,7 @@ def router_reference(q: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: to
     a = gate.clamp(0.0, 1.0)
     if straight_through:
         a = gate + (a - gate).detach()
-    e1 = torch.zeros(3, dtype=p.dtype, device=p.device)
-    e1[0] = 1.0
+    e1 = (torch.arange(3, device=p.device) == 0).to(p.dtype)     # no host->device copy: capturable
     return (1.0 - a) * e1 + a * p
 
 
