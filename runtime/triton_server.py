@@ -16,12 +16,16 @@ import os
 import platform
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
-__all__ = ["TritonLaunch", "prepare_tritonserver"]
+__all__ = ["RunningServer", "TritonLaunch", "prepare_tritonserver", "serve"]
 
 PYVER = f"{sys.version_info.major}.{sys.version_info.minor}"
 
@@ -99,3 +103,65 @@ def prepare_tritonserver(repo: str | Path, workdir: str | Path, *, http_port: in
             f"--http-address={address}", f"--http-port={http_port}", f"--grpc-address={address}",
             f"--grpc-port={grpc_port}", "--allow-metrics=false", "--exit-timeout-secs=5"]
     return TritonLaunch(argv, env, str(workdir))
+
+
+@dataclass(frozen=True)
+class RunningServer:
+    """A started ``tritonserver``: its endpoints (``host:port``), process and log file."""
+    http_url: str
+    grpc_url: str
+    process: subprocess.Popen
+    log_path: Path
+
+
+def _free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve(repo: str | Path, workdir: str | Path, *, http_port: int = 0, grpc_port: int = 0,
+          address: str = "127.0.0.1", ready_timeout: float = 120.0) -> Iterator[RunningServer]:
+    """Start the bundled ``tritonserver`` on ``repo``, wait until the server and every model of the
+    repository are ready, yield the endpoints, and stop the server on exit. Port 0 picks a free
+    port. Raises ``RuntimeError`` with the end of the server log if it exits or is not ready in
+    ``ready_timeout`` seconds."""
+    from tritonclient import http as httpclient
+
+    if ready_timeout <= 0:
+        raise ValueError(f"ready_timeout must be > 0 seconds, got {ready_timeout}")
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    http_port = http_port or _free_port(address)
+    grpc_port = grpc_port or _free_port(address)
+    launch = prepare_tritonserver(repo, workdir, http_port=http_port, grpc_port=grpc_port, address=address)
+    models = sorted(p.name for p in Path(repo).iterdir() if (p / "config.pbtxt").is_file())
+    log_path = workdir / "tritonserver.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(launch.argv, env=launch.env, cwd=launch.cwd, stdout=log, stderr=subprocess.STDOUT)
+        client = httpclient.InferenceServerClient(f"{address}:{http_port}")
+        try:
+            deadline = time.monotonic() + ready_timeout
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"tritonserver exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+                try:
+                    if client.is_server_ready() and all(client.is_model_ready(m) for m in models):
+                        break
+                except Exception:  # noqa: BLE001 - not listening yet
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tritonserver not ready in {ready_timeout:.0f} s:\n"
+                                       f"{log_path.read_text()[-3000:]}")
+                time.sleep(0.25)
+            client.close()  # an open keep-alive connection would hold the shutdown
+            yield RunningServer(f"{address}:{http_port}", f"{address}:{grpc_port}", proc, log_path)
+        finally:
+            client.close()
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from .config import CONTEXT_HEAVY_TAU, MacConfig
+from .generate import TRAINED, run_generate
 
 __all__ = ["main"]
 
@@ -23,8 +24,6 @@ def mac_config_from_args(args) -> MacConfig:
 
 
 def _cmd_generate(args) -> int:
-    from .generate import run_generate
-
     report = run_generate(family=args.model, context=args.context, new_tokens=args.tokens,
                           mac=mac_config_from_args(args), seed=args.seed, json_path=args.json)
     print(report.table())
@@ -44,7 +43,25 @@ def _cmd_triton_repo(args) -> int:
                                   sync_model=not args.no_sync_model)
     for d in dirs:
         print(f"wrote {d}")
-    print(f"serve with: tritonserver --model-repository={args.out} (Python backend; see runtime/triton_repo.py)")
+    print(f"serve with: macattn serve --repo {args.out}  (the nvidia-pytriton wheel's tritonserver; or any "
+          f"tritonserver with the Python backend: --model-repository={args.out})")
+    return 0
+
+
+def _cmd_serve(args) -> int:
+    import time
+
+    from macattn.runtime.triton_server import serve
+
+    with serve(args.repo, args.workdir, http_port=args.http_port, grpc_port=args.grpc_port,
+               address=args.address) as running:
+        print(f"tritonserver ready: HTTP {running.http_url}, gRPC {running.grpc_url} (log {running.log_path}); "
+              "Ctrl-C stops it", flush=True)
+        try:
+            while running.process.poll() is None:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass
     return 0
 
 
@@ -69,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=False)
 
     gen = sub.add_parser("generate", help="decode a long prompt with full attention and with MAC on the CPU")
-    gen.add_argument("--model", choices=("llama", "qwen2", "mistral"), default="llama")
+    gen.add_argument("--model", choices=(TRAINED, "llama", "qwen2", "mistral"), default=TRAINED,
+                     help=f"{TRAINED}: the packaged trained checkpoint; others: random-weight built-in models")
     gen.add_argument("--context", type=int, default=4096, help="prompt length in tokens")
     gen.add_argument("--tokens", type=int, default=64, help="tokens to decode")
     gen.add_argument("--seed", type=int, default=0)
@@ -103,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     tri.add_argument("--per-layer", default=None, help="MacConfig JSON overriding the engine's MAC config")
     tri.add_argument("--no-sync-model", action="store_true", help="write only the decoupled streaming model")
     tri.set_defaults(func=_cmd_triton_repo)
+
+    srv = sub.add_parser("serve", help="serve a model repository with the tritonserver of the nvidia-pytriton wheel")
+    srv.add_argument("--repo", required=True, help="model repository (from macattn triton-repo)")
+    srv.add_argument("--workdir", default=".tritonserver", help="where the backends copy and the log go")
+    srv.add_argument("--address", default="127.0.0.1")
+    srv.add_argument("--http-port", type=int, default=8000, help="0 picks a free port")
+    srv.add_argument("--grpc-port", type=int, default=8001, help="0 picks a free port")
+    srv.set_defaults(func=_cmd_serve)
 
     import importlib
 

@@ -1,4 +1,8 @@
-"""The main job: decode a long repetitive prompt with full attention and with MAC, compare.
+"""The main job: decode a long prompt with full attention and with MAC, compare.
+
+Default model: the built-in trained checkpoint (``macattn.checkpoint``) on a needle-in-a-haystack
+prompt over held-out text; ``llama``/``qwen2``/``mistral`` are random-weight built-in models on a
+repetitive token prompt (no language, but every architecture).
 
 gpt-fast style plain loop: one prefill, then one token per step through the model's KV
 cache. The MAC run is teacher-forced on the full-attention tokens, so greedy agreement is
@@ -9,6 +13,7 @@ from __future__ import annotations
 
 import json
 import platform
+import random
 import time
 from dataclasses import asdict, dataclass
 
@@ -18,7 +23,9 @@ from tqdm.auto import tqdm
 from .config import MacConfig
 from .models import BUILTIN, build_builtin_model
 
-__all__ = ["GenerateReport", "repetitive_prompt", "greedy_decode", "run_generate"]
+__all__ = ["GenerateReport", "TRAINED", "repetitive_prompt", "greedy_decode", "run_generate"]
+
+TRAINED = "tiny-llama"  # the packaged trained checkpoint, the default model
 
 
 def repetitive_prompt(length: int, vocab_size: int, *, period: int = 512, mutation: float = 0.05,
@@ -74,6 +81,7 @@ class GenerateReport:
     tokens_per_s_mac: float
     torch_version: str
     machine: str
+    needle: dict | None = None  # trained model: expected answer and the full-attention continuation
 
     def table(self) -> str:
         rows = [("model", self.model), ("context / new tokens", f"{self.context} / {self.new_tokens}"),
@@ -82,6 +90,9 @@ class GenerateReport:
                 ("mean reuse gap m-p", f"{self.mean_gap:.1f}"),
                 ("greedy-token agreement", f"{self.greedy_agreement:.3f}"),
                 ("tokens/s full | MAC (CPU reference)", f"{self.tokens_per_s_full:.1f} | {self.tokens_per_s_mac:.1f}")]
+        if self.needle:
+            rows.insert(2, ("needle answer expected | decoded", f"{self.needle['expected']!r} | "
+                                                                f"{self.needle['decoded']!r}"))
         lines = [f"{k:<38}{v}" for k, v in rows]
         lines.append(f"{'layer':<8}{'hit rate':>10}{'skip':>10}{'rel err vs full':>18}")
         for i, (h, s, e) in enumerate(zip(self.hit_rate_per_layer, self.skipped_prefix_per_layer,
@@ -90,7 +101,22 @@ class GenerateReport:
         return "\n".join(lines)
 
 
-def run_generate(*, family: str = "llama", context: int = 4096, new_tokens: int = 64,
+def _trained_setup(context: int, seed: int):
+    """(model, prompt [1, context], description, needle info) for the packaged trained checkpoint:
+    a single-needle retrieval prompt whose haystack is held-out text."""
+    from .checkpoint import heldout_text, load_builtin_checkpoint
+    from .evaluation.tasks import haystack_from, make_sample
+
+    model, tok = load_builtin_checkpoint()
+    sample = make_sample("niah_single", context, random.Random(seed), tok.encode,
+                         haystack_from(tok.encode(heldout_text())), bos=[tok.bos_token_id])
+    c = model.config
+    desc = (f"trained {TRAINED} ({c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads} "
+            f"heads, d={c.head_dim}; needle prompt over held-out text)")
+    return model, sample.ids, desc, dict(tokenizer=tok, expected=tok.decode(sample.answer))
+
+
+def run_generate(*, family: str = TRAINED, context: int = 4096, new_tokens: int = 64,
                  mac: MacConfig | None = None, seed: int = 0, json_path: str | None = None) -> GenerateReport:
     from macattn.builder.patch import patch_model, unpatch_model
 
@@ -99,9 +125,19 @@ def run_generate(*, family: str = "llama", context: int = 4096, new_tokens: int 
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be >= 2, got {new_tokens}")
     mac = mac or MacConfig()
-    model = build_builtin_model(family, seed=seed, max_position_embeddings=max(BUILTIN["max_position_embeddings"],
-                                                                                context + new_tokens))
-    prompt = repetitive_prompt(context, model.config.vocab_size, seed=seed)
+    needle = None
+    if family == TRAINED:
+        model, ids, desc, needle = _trained_setup(context, seed)
+        if context > model.config.max_position_embeddings - new_tokens:
+            raise ValueError(f"context must be <= {model.config.max_position_embeddings - new_tokens} for "
+                             f"{TRAINED}, got {context}")
+        prompt = torch.tensor([ids])
+    else:
+        model = build_builtin_model(family, seed=seed,
+                                    max_position_embeddings=max(BUILTIN["max_position_embeddings"], context + new_tokens))
+        prompt = repetitive_prompt(context, model.config.vocab_size, seed=seed)
+        desc = (f"built-in {family} ({BUILTIN['num_hidden_layers']} layers, {BUILTIN['num_attention_heads']}/"
+                f"{BUILTIN['num_key_value_heads']} heads, d={BUILTIN['head_dim']}, random weights, seed {seed})")
 
     full_tokens, full_s = greedy_decode(model, prompt, new_tokens, desc="full attention")
     ctx = patch_model(model, mac, num_slots=1)
@@ -113,10 +149,13 @@ def run_generate(*, family: str = "llama", context: int = 4096, new_tokens: int 
     unpatch_model(model)
 
     steps = diag.steps.sum()
+    if needle is not None:
+        tok = needle.pop("tokenizer")
+        needle["decoded"] = tok.decode(full_tokens[:8])
+        needle["retrieved"] = needle["decoded"].startswith(needle["expected"])
     report = GenerateReport(
-        model=f"built-in {family} ({BUILTIN['num_hidden_layers']} layers, {BUILTIN['num_attention_heads']}/"
-              f"{BUILTIN['num_key_value_heads']} heads, d={BUILTIN['head_dim']}, seed {seed})",
-        context=context, new_tokens=new_tokens, mac=mac.to_dict(),
+        model=desc, needle=needle,
+        context=prompt.shape[1], new_tokens=new_tokens, mac=mac.to_dict(),
         hit_rate=float(diag.hits.sum() / steps), skipped_prefix=float(diag.skipped.sum() / steps),
         mean_gap=float(diag.gap.sum() / diag.hits.sum().clamp(min=1)),
         greedy_agreement=sum(a == b for a, b in zip(full_tokens, mac_tokens)) / new_tokens,

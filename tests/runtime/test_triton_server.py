@@ -12,8 +12,6 @@ decoupled models cannot answer KServe-v2 HTTP ``infer``); streaming goes over gR
 decoupled ``macattn`` model. Every output must equal ``ModelRunner``'s for the same prompt.
 """
 import queue
-import socket
-import subprocess
 import time
 
 import numpy as np
@@ -27,7 +25,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from macattn.runtime import ModelRunner, write_engine_dir  # noqa: E402
 from macattn.runtime.triton_repo import write_model_repository  # noqa: E402
-from macattn.runtime.triton_server import prepare_tritonserver  # noqa: E402
+from macattn.runtime.triton_server import prepare_tritonserver, serve  # noqa: E402
 
 NEW = 8
 
@@ -48,48 +46,20 @@ _why = _launcher_or_reason()
 pytestmark = pytest.mark.skipif(_why is not None, reason=str(_why))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("triton")
     engine = write_engine_dir(tiny_model(), MAC, root / "engine")
     write_model_repository(engine, root / "repo", max_batch_size=8, block_size=8, torch_num_threads=1)
-    http_port, grpc_port = _free_port(), _free_port()
-    launch = prepare_tritonserver(root / "repo", root, http_port=http_port, grpc_port=grpc_port)
-    log = open(root / "server.log", "wb")
-    proc = subprocess.Popen(launch.argv, env=launch.env, cwd=launch.cwd, stdout=log, stderr=subprocess.STDOUT)
-    http = None
     try:
-        http = httpclient.InferenceServerClient(f"127.0.0.1:{http_port}", concurrency=16)
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"tritonserver exited with {proc.returncode}:\n"
-                            f"{(root / 'server.log').read_text()[-3000:]}")
+        with serve(root / "repo", root) as running:
+            http = httpclient.InferenceServerClient(running.http_url, concurrency=16)
             try:
-                if http.is_server_ready() and all(http.is_model_ready(m) for m in ("macattn", "macattn_sync")):
-                    break
-            except Exception:                                    # noqa: BLE001 - not listening yet
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"tritonserver not ready in 120 s:\n{(root / 'server.log').read_text()[-3000:]}")
-            time.sleep(0.25)
-        yield {"http": http, "grpc_url": f"127.0.0.1:{grpc_port}", "engine": engine}
-    finally:
-        if http is not None:
-            http.close()                     # open keep-alive connections would hold shutdown
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+                yield {"http": http, "grpc_url": running.grpc_url, "engine": engine}
+            finally:
+                http.close()  # open keep-alive connections would hold the shutdown
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
 
 
 @pytest.fixture(scope="module")
