@@ -1,0 +1,108 @@
+"""CPU tests of macattn-trtllm-build: argument split, config -> plugin fields, patch targets, import guard."""
+import importlib.util
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from macattn.builder import trtllm_build as tb
+from macattn.config import MacConfig
+from macattn.plugins.mac_attend import plugin as attend_plugin
+from macattn.plugins.mac_match import plugin as match_plugin
+
+HAVE_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
+
+
+def test_split_args_ours_vs_passthrough():
+    argv = ["--checkpoint_dir", "ck", "--plugin", "mac", "--tau=0.4", "--output_dir", "out", "--band", "8",
+            "--max_batch_size=4", "--window", "16", "--tau", "0.5", "--per-layer=cfg.json", "--gpt_attention_plugin",
+            "auto", "--", "--band", "3"]
+    ours, rest = tb.split_args(argv)
+    assert ours == ["--plugin", "mac", "--tau=0.4", "--band", "8", "--window", "16", "--tau", "0.5",
+                    "--per-layer=cfg.json"]
+    assert rest == ["--checkpoint_dir", "ck", "--output_dir", "out", "--max_batch_size=4",
+                    "--gpt_attention_plugin", "auto", "--band", "3"]
+    args = tb.build_parser().parse_args(ours)
+    assert args.tau == 0.5 and args.band == 8 and args.window == 16 and args.per_layer == "cfg.json"
+
+
+def test_split_args_missing_value():
+    with pytest.raises(ValueError, match="--tau"):
+        tb.split_args(["--plugin", "mac", "--tau", "--output_dir", "x"])
+    with pytest.raises(ValueError, match="--window"):
+        tb.split_args(["--window"])
+
+
+def test_plugin_fields_match_plugin_attributes(tmp_path):
+    cfg = MacConfig(window=32, band=4, tau=0.3, layer_overrides={1: {"tau": 0.6, "band": 2}, 2: {"enabled": False}})
+    fields = tb.layer_plugin_fields(cfg, num_layers=3, head_dim=64)
+    assert fields[0] == {"mac::match": {"band": 4, "tau": 0.3}, "mac::attend": {"band": 4, "scale": 0.125}}
+    assert fields[1]["mac::match"] == {"band": 2, "tau": 0.6}
+    assert fields[2] is None
+    # The attribute names/values are accepted by the plugin definitions' own validation.
+    match_plugin._check_attrs(**fields[1]["mac::match"])
+    attend_plugin._check_attrs(**fields[1]["mac::attend"])
+    assert set(fields[0]) == {match_plugin.PLUGIN_ID, attend_plugin.PLUGIN_ID}
+    with pytest.raises(ValueError, match="head_dim"):
+        tb.plugin_fields(cfg, 0)
+    with pytest.raises(ValueError, match="num_layers"):
+        tb.layer_plugin_fields(cfg, 0, 64)
+
+
+def test_mac_config_flags_override_per_layer_json(tmp_path):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(MacConfig(window=8, band=2, tau=0.2, layer_overrides={0: {"band": 1}}).to_dict()))
+    args = tb.build_parser().parse_args(["--plugin", "mac", "--per-layer", str(path), "--tau", "0.7"])
+    cfg = tb.mac_config(args)
+    assert (cfg.window, cfg.band, cfg.tau) == (8, 2, 0.7)
+    assert cfg.for_layer(0).band == 1 and math.isclose(cfg.for_layer(0).tau, 0.7)
+    with pytest.raises(ValueError, match="tau"):
+        tb.mac_config(tb.build_parser().parse_args(["--plugin", "mac", "--tau", "1.5"]))
+
+
+def test_patch_targets():
+    t = tb.patch_targets(["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"])
+    assert t["LlamaForCausalLM"][1:] == ("LLaMAForCausalLM", "LLaMADecoderLayer")
+    assert t["MistralForCausalLM"] == t["LlamaForCausalLM"]
+    assert t["Qwen2ForCausalLM"][1:] == ("QWenForCausalLM", "QWenDecoderLayer")
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        tb.patch_targets(["GPT2LMHeadModel"])
+
+
+def _cli():
+    exe = shutil.which("macattn-trtllm-build")
+    return [exe] if exe else [sys.executable, "-m", "macattn.builder.trtllm_build"]
+
+
+def test_help_without_trtllm():
+    r = subprocess.run([*_cli(), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for flag in ("--plugin", "--tau", "--window", "--band", "--per-layer", "passed through"):
+        assert flag in r.stdout
+
+
+@pytest.mark.skipif(HAVE_TRTLLM, reason="tensorrt_llm is installed; the missing-package path cannot be taken")
+def test_missing_trtllm_exit_code():
+    r = subprocess.run([*_cli(), "--plugin", "mac", "--tau", "0.5", "--checkpoint_dir", "ck", "--max_batch_size", "4"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "tensorrt_llm" in r.stderr and "tensorrt-llm" in r.stderr and "package index" in r.stderr
+    bad = subprocess.run([*_cli(), "--plugin", "nope"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--plugin" in bad.stderr
+
+
+def test_passthrough_workers():
+    assert tb._passthrough_workers(["--checkpoint_dir", "c"]) == 1
+    assert tb._passthrough_workers(["--workers", "2", "--workers=3"]) == 3
+    r = subprocess.run([*_cli(), "--plugin", "mac", "--workers", "4"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--workers" in r.stderr
+
+
+def test_passthrough_max_batch_required():
+    assert tb._passthrough_max_batch(["--checkpoint_dir", "c"]) is None
+    assert tb._passthrough_max_batch(["--max_batch_size", "8", "--max_batch_size=16"]) == 16
+    r = subprocess.run([*_cli(), "--plugin", "mac", "--checkpoint_dir", "ck"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--max_batch_size" in r.stderr
