@@ -14,6 +14,7 @@ no padding (the runtime batches mixed lengths itself).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -27,7 +28,8 @@ from macattn.mac import full_attention_reference, rectified_summaries_reference
 from macattn.builder.seeding import seed_rings_
 from macattn.runtime.state import MacState
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "MacAttentionContext", "patch_model", "unpatch_model", "is_patched"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "MacAttentionContext", "patch_model", "unpatch_model", "is_patched",
+           "capture_pre_rope_kv", "plain_attention"]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 IMPL_NAME = "macattn"
@@ -224,3 +226,40 @@ def unpatch_model(model) -> None:
     model.set_attn_implementation(model._macattn_prev_impl)
     model._macattn_ctx.end_batch()
     del model._macattn_ctx, model._macattn_prev_impl
+
+
+@contextlib.contextmanager
+def capture_pre_rope_kv(model):
+    """Within the block, every forward of ``model`` records each layer's ``k_proj`` / ``v_proj``
+    outputs ``[B, T, Hkv * d]`` (keys before RoPE, values) in the yielded dict
+    ``{layer: [k, v]}`` (the latest call wins). LLaMA / Qwen2 / Mistral apply no norm between
+    ``k_proj`` and RoPE, so ``k_proj``'s output is the pre-RoPE key (A3 chunk store)."""
+    captured: dict[int, list] = {}
+    handles = []
+    for i, attn in enumerate(_attention_modules(model)):
+        captured[i] = [None, None]
+        for j, proj in enumerate((attn.k_proj, attn.v_proj)):
+            def hook(module, inputs, output, _i=i, _j=j):
+                captured[_i][_j] = output
+            handles.append(proj.register_forward_hook(hook))
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def plain_attention(model):
+    """Run a patched ``model`` with its original attention (no MAC ring seeding) within the
+    block; a no-op on an unpatched model or inside another ``plain_attention`` block."""
+    if not is_patched(model) or model.config._attn_implementation != IMPL_NAME:
+        yield
+        return
+    ctx = model._macattn_ctx
+    model.set_attn_implementation(ctx.fallback_impl)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(IMPL_NAME)
+        ctx.q_pre.clear()

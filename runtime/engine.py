@@ -66,6 +66,7 @@ class LLMEngine:
         config = (config or RuntimeConfig()).resolved(model.config.max_position_embeddings)
         self.config = config
         self.mac_config = mac_config if mac_config is not None else MacConfig(enabled=False)
+        self.mac_config.require_full_misses("ModelRunner")
         self.executor = ModelExecutor(model, self.mac_config, config)
         self.slot_states = SlotStates(self.executor.ctx.state.num_slots, self.executor.ctx.state)
         if self.executor.mka_state is not None:

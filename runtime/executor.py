@@ -67,8 +67,17 @@ class ModelExecutor:
         if self.mka_ctx is not None:
             self.mka_ctx.slots = None if slots is None else slots.to(self.device)
 
-    @torch.inference_mode()
     def prefill(self, seq: Sequence) -> torch.Tensor:
+        """Prefill ``seq``: an A3 fused prefill when it carries ``seq.rag``
+        (``macattn.runtime.a3_assembly.runtime_prefill``), else ``prefill_plain``."""
+        if seq.rag is not None:
+            from .a3_assembly import runtime_prefill
+
+            return runtime_prefill(self, seq)
+        return self.prefill_plain(seq)
+
+    @torch.inference_mode()
+    def prefill_plain(self, seq: Sequence) -> torch.Tensor:
         """Run ``seq.prompt`` (positions ``0 .. L-1``), write its K/V, seed its rings.
         Returns the last position's logits ``[V]``."""
         L = len(seq.prompt)

@@ -23,12 +23,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .slot_pool import SlotPool
+
 __all__ = ["MkaState"]
 
 
 @dataclass
-class MkaState:
+class MkaState(SlotPool):
     """L2 summaries of all layers and slots; see the module docstring for shapes and dtypes."""
+
+    SLOT_KIND = "FastMKA"
 
     mean: list[torch.Tensor]
     count: list[torch.Tensor]
@@ -49,14 +53,6 @@ class MkaState:
     def num_layers(self) -> int:
         return len(self.mean)
 
-    @property
-    def num_slots(self) -> int:
-        return int(self.in_use.numel())
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(state_mean [S, D], state_count [S])`` of layer ``i`` (the op's state inputs)."""
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers:
@@ -70,24 +66,6 @@ class MkaState:
             m[slot].zero_()
             c[slot] = 0
 
-    def acquire(self) -> int:
-        """Take a free slot (reset) for a new request; raises ``RuntimeError`` if none is free."""
-        if not self._free:
-            raise RuntimeError(f"no free FastMKA slot: all {self.num_slots} are in use")
-        slot = self._free.pop()
-        self.reset(slot)
-        self.in_use[slot] = True
-        return slot
-
-    def release(self, slot: int) -> None:
-        """Return ``slot``; its rows are reset so the next owner sees nothing of this request."""
-        self._check_slot(slot)
-        if not bool(self.in_use[slot]):
-            raise ValueError(f"slot {slot} is not in use")
-        self.reset(slot)
-        self.in_use[slot] = False
-        self._free.append(slot)
-
     def seed(self, layer: int, slot: int, mean: torch.Tensor, count: int) -> None:
         """Set ``slot``'s state of ``layer`` after a prefill: ``mean [D]`` and ``count`` tokens."""
         self._check_slot(slot)
@@ -98,7 +76,3 @@ class MkaState:
             raise ValueError(f"count must be an int >= 0, got {count!r}")
         m[slot] = mean.to(m)
         c[slot] = count
-
-    def _check_slot(self, slot: int) -> None:
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
-            raise ValueError(f"slot must be an int in [0, {self.num_slots - 1}], got {slot!r}")

@@ -33,16 +33,19 @@ _BEAM_KWARGS = ("num_beams", "num_return_sequences")
 
 
 class ModelRunner:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, a3=None) -> None:
         self.engine = engine
+        self.a3 = a3                 # default macattn.a3.A3Config of chunked (``documents``) calls
+        self._chunk_stores: dict = {}
 
     # --- construction ---------------------------------------------------------------------
     @classmethod
     def from_hf(cls, model_or_dir, mac_config: MacConfig | None = None, *,
                 runtime_config: RuntimeConfig | None = None, torch_dtype: torch.dtype | None = None,
-                **runtime_kwargs) -> "ModelRunner":
+                a3=None, **runtime_kwargs) -> "ModelRunner":
         """model_or_dir: a transformers ``*ForCausalLM`` (patched in place) or a directory /
-        hub name for ``AutoModelForCausalLM.from_pretrained``. mac_config None = MAC off."""
+        hub name for ``AutoModelForCausalLM.from_pretrained``. mac_config None = MAC off.
+        a3: ``macattn.a3.A3Config``, the default KV fusion of ``generate(..., documents=...)``."""
         if runtime_config is None:
             runtime_config = RuntimeConfig(**runtime_kwargs)
         elif runtime_kwargs:
@@ -55,15 +58,15 @@ class ModelRunner:
                                                          dtype=torch_dtype or "auto")
         elif torch_dtype is not None:
             model = model.to(torch_dtype)
-        return cls(LLMEngine(model, mac_config, runtime_config))
+        return cls(LLMEngine(model, mac_config, runtime_config), a3=a3)
 
     @classmethod
     def from_dir(cls, engine_dir, *, mac_config: MacConfig | None = None,
-                 runtime_config: RuntimeConfig | None = None, **runtime_kwargs) -> "ModelRunner":
+                 runtime_config: RuntimeConfig | None = None, a3=None, **runtime_kwargs) -> "ModelRunner":
         """Load ``engine_dir`` (``manifest.json`` + ``hf/``); ``mac_config`` overrides the manifest's."""
         manifest = read_engine_dir(engine_dir)
         return cls.from_hf(manifest.hf_dir, mac_config or manifest.mac_config,
-                           runtime_config=runtime_config, **runtime_kwargs)
+                           runtime_config=runtime_config, a3=a3, **runtime_kwargs)
 
     # --- properties (TensorRT-LLM names) --------------------------------------------------
     @property
@@ -95,8 +98,15 @@ class ModelRunner:
                  pad_id: int | None = None, temperature: float = 1.0, top_k: int = 1, top_p: float = 0.0,
                  random_seed: int | None = None, streaming: bool = False, return_dict: bool = False,
                  output_sequence_lengths: bool = False, sampling_config: SamplingParams | None = None,
-                 **kwargs):
-        """batch_input_ids: list of 1-D integer tensors ``[seq_len]`` (int32/int64)."""
+                 documents=None, question_ids=None, a3=None, **kwargs):
+        """batch_input_ids: list of 1-D integer tensors ``[seq_len]`` (int32/int64).
+
+        Chunked RAG prompts (A3 KV fusion, ``docs/a3.md``): ``documents`` is a list with one
+        entry per request, each a list of 1-D token id tensors (the document chunks, reused from
+        the chunk KV store); ``question_ids`` a list of one 1-D tensor per request. Request ``i``'s
+        prompt is then ``batch_input_ids[i]`` (the system prompt, may be empty) + the chunks of
+        ``documents[i]`` in order + ``question_ids[i]``, and ``output_ids`` holds that whole prompt.
+        ``a3`` (``macattn.a3.A3Config``) overrides the runner's default (``A3Config()`` if none)."""
         for k in _BEAM_KWARGS:
             if k in kwargs and kwargs.pop(k) not in (None, 1):
                 raise ValueError(f"{k} must be 1: beam search is not supported")
@@ -110,12 +120,15 @@ class ModelRunner:
         if sampling_config is None:
             sampling_config = SamplingParams(max_new_tokens=max_new_tokens, end_id=end_id, temperature=temperature,
                                              top_k=top_k, top_p=top_p, random_seed=random_seed)
+        rag = self._rag_prompts(batch_input_ids, documents, question_ids, a3)
         seqs = []
         for i, ids in enumerate(batch_input_ids):
             try:
-                seqs.append(self.engine.make_request(ids, sampling_config))
+                seqs.append(self.engine.make_request(ids if rag is None else rag[i][0].tokens(), sampling_config))
             except (ValueError, TypeError) as exc:
                 raise type(exc)(f"batch_input_ids[{i}]: {exc}") from None
+            if rag is not None:
+                seqs[-1].rag = rag[i]
         for seq in seqs:
             self.engine.submit(seq)
         width = max(len(s.prompt) for s in seqs) + sampling_config.max_new_tokens
@@ -126,6 +139,43 @@ class ModelRunner:
         for result in gen:
             pass
         return result
+
+    def _rag_prompts(self, batch_input_ids, documents, question_ids, a3):
+        """``[(RagPrompt, A3Config, ChunkKVStore | None)]`` per request, or None without documents."""
+        if documents is None:
+            if question_ids is not None or a3 is not None:
+                raise ValueError("question_ids / a3 need documents (chunked prompts)")
+            return None
+        from macattn.a3 import A3Config
+
+        from .a3_assembly import RagPrompt
+        n = len(batch_input_ids)
+        for name, arg in (("documents", documents), ("question_ids", question_ids)):
+            if not isinstance(arg, (list, tuple)) or len(arg) != n:
+                raise ValueError(f"{name} must be a list with one entry per request ({n}), got "
+                                 f"{type(arg).__name__}{'' if not isinstance(arg, (list, tuple)) else f' of {len(arg)}'}")
+        config = a3 if a3 is not None else (self.a3 if self.a3 is not None else A3Config())
+        if not isinstance(config, A3Config):
+            raise TypeError(f"a3 must be an A3Config, got {type(config).__name__}")
+        store = self._chunk_store(config)
+        out = []
+        for i in range(n):
+            try:
+                out.append((RagPrompt(batch_input_ids[i], list(documents[i]), question_ids[i]), config, store))
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"request {i} (documents[{i}] / question_ids[{i}]): {exc}") from None
+        return out
+
+    def _chunk_store(self, config):
+        if config.store_dir is None:
+            return None
+        key = (config.store_dir, config.store_max_bytes)
+        if key not in self._chunk_stores:
+            from .chunk_store import ChunkKVStore, model_fingerprint
+
+            self._chunk_stores[key] = ChunkKVStore(config.store_dir, model_id=model_fingerprint(self.engine.model),
+                                                   max_bytes=config.store_max_bytes)
+        return self._chunk_stores[key]
 
     def _run(self, seqs, width, pad, return_dict, output_sequence_lengths):
         try:

@@ -37,6 +37,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None          # "length" | "end_id" | "aborted"
     generator: torch.Generator | None = field(default=None, repr=False)
+    # A3 fused prefill: (RagPrompt, A3Config, ChunkKVStore | None); see runtime/a3_assembly.py
+    rag: tuple | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,8 @@ import torch
 from macattn.config import MacConfig
 from macattn.summaries import AttentionSummary
 
+from .slot_pool import SlotPool
+
 __all__ = ["MacState", "MacDiagnostics"]
 
 
@@ -75,8 +77,10 @@ class MacDiagnostics:
 
 
 @dataclass
-class MacState:
+class MacState(SlotPool):
     """Rings of all layers and slots; see the module docstring for shapes and dtypes."""
+
+    SLOT_KIND = "MAC"
 
     config: MacConfig
     qring: list[torch.Tensor]
@@ -111,10 +115,6 @@ class MacState:
     def num_layers(self) -> int:
         return len(self.qring)
 
-    @property
-    def num_slots(self) -> int:
-        return int(self.in_use.numel())
-
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(qring, oring, ring_lse, ring_pos)`` of layer ``i``."""
         return self.qring[i], self.oring[i], self.ring_lse[i], self.ring_pos[i]
@@ -127,24 +127,6 @@ class MacState:
             o[slot].zero_()
             l[slot].fill_(float("-inf"))
             p[slot].fill_(-1)
-
-    def acquire(self) -> int:
-        """Take a free slot (reset) for a new request; raises if none is free."""
-        if not self._free:
-            raise RuntimeError(f"no free MAC slot: all {self.num_slots} are in use")
-        slot = self._free.pop()
-        self.reset(slot)
-        self.in_use[slot] = True
-        return slot
-
-    def release(self, slot: int) -> None:
-        """Return ``slot``; its rows are reset so the next owner sees nothing of this request."""
-        self._check_slot(slot)
-        if not bool(self.in_use[slot]):
-            raise ValueError(f"slot {slot} is not in use")
-        self.reset(slot)
-        self.in_use[slot] = False
-        self._free.append(slot)
 
     def seed(self, layer: int, slot: int, positions: torch.Tensor, q_pre: torch.Tensor,
              summary: AttentionSummary) -> None:
@@ -163,7 +145,3 @@ class MacState:
         oring[slot][:, col] = summary.o[:, keep].to(oring.dtype)
         lse[slot][:, col] = summary.lse[:, keep].to(lse.dtype)
         pos[slot][col] = positions
-
-    def _check_slot(self, slot: int) -> None:
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
-            raise ValueError(f"slot must be an int in [0, {self.num_slots - 1}], got {slot!r}")

@@ -88,6 +88,13 @@ class TritonPythonModel:
                            block_size=int(params.get("block_size", "16")), device=params.get("device", "cpu"))
         mac = MacConfig.from_dict(json.loads(params["mac_config"])) if "mac_config" in params else None
         self.engine = ModelRunner.from_dir(params["engine_dir"], mac_config=mac, runtime_config=rc).engine
+        # A3 chunked prompts (optional input rag_lengths): fusion config from the a3_config parameter
+        from macattn.a3 import A3Config
+        from macattn.runtime.chunk_store import ChunkKVStore, model_fingerprint
+
+        self.a3 = A3Config(**json.loads(params["a3_config"])) if "a3_config" in params else A3Config()
+        self.chunk_store = None if self.a3.store_dir is None else ChunkKVStore(
+            self.a3.store_dir, model_id=model_fingerprint(self.engine.model), max_bytes=self.a3.store_max_bytes)
         self.inbox = queue.Queue()
         self.stopping = threading.Event()
         self.loop = threading.Thread(target=self._loop, name="macattn-engine", daemon=True)
@@ -105,6 +112,9 @@ class TritonPythonModel:
                 if arr.size != 1:
                     raise ValueError(f"{name} must hold exactly one value, got {arr.size}")
                 kwargs[name] = cast(arr[0].item())
+        rag = pb_utils.get_input_tensor_by_name(request, "rag_lengths")
+        if rag is not None:
+            kwargs["rag_lengths"] = rag.as_numpy().reshape(-1).tolist()
         return self.torch.from_numpy(ids.astype(np.int64, copy=False).copy()), kwargs
 
     def execute(self, requests):
@@ -159,7 +169,7 @@ class TritonPythonModel:
                     ids, kwargs, p = self.inbox.get(block=block, timeout=0.05 if block else None)
                     block = False
                     try:
-                        rid = self.engine.add_request(ids, **kwargs)
+                        rid = self._add_request(ids, kwargs)
                     except (ValueError, TypeError) as exc:
                         self._fail(p, str(exc))
                     else:
@@ -191,6 +201,18 @@ class TritonPythonModel:
                 if o.finished:
                     del live[o.request_id]
                     self.engine.requests.pop(o.request_id, None)
+
+    def _add_request(self, ids, kwargs):
+        rag = kwargs.pop("rag_lengths", None)
+        if rag is None:
+            return self.engine.add_request(ids, **kwargs)
+        from macattn.runtime.a3_assembly import split_rag_prompt
+
+        prompt = split_rag_prompt(ids, rag)
+        seq = self.engine.make_request(ids, **kwargs)
+        seq.rag = (prompt, self.a3, self.chunk_store)
+        self.engine.submit(seq)
+        return seq.request_id
 
     def finalize(self):
         self.stopping.set()

@@ -9,7 +9,8 @@ Layout written under ``out`` (``name`` defaults to ``macattn``)::
 
 Inputs: ``input_ids`` INT64 ``[-1]``, ``max_new_tokens`` INT32 ``[1]``; optional
 ``end_id`` INT32, ``temperature`` FP32, ``top_k`` INT32, ``top_p`` FP32, ``random_seed``
-INT64 (all ``[1]``). Output: ``output_ids`` INT64 ``[-1]`` — the generated tokens (not the
+INT64 (all ``[1]``), ``rag_lengths`` INT32 ``[-1]`` (an A3 chunked prompt: ``[len(system),
+len(chunk_1), …]``, question = the rest of ``input_ids``; ``docs/a3.md``). Output: ``output_ids`` INT64 ``[-1]`` — the generated tokens (not the
 prompt; the end token is not emitted). The decoupled model sends one response per token,
 the last one flagged final (an empty final response if the request ends on ``end_id``).
 
@@ -37,7 +38,8 @@ __all__ = ["default_sys_path", "write_model_repository"]
 _INPUTS = [("input_ids", "TYPE_INT64", -1, False), ("max_new_tokens", "TYPE_INT32", 1, False),
            ("end_id", "TYPE_INT32", 1, True), ("temperature", "TYPE_FP32", 1, True),
            ("top_k", "TYPE_INT32", 1, True), ("top_p", "TYPE_FP32", 1, True),
-           ("random_seed", "TYPE_INT64", 1, True)]
+           ("random_seed", "TYPE_INT64", 1, True),
+           ("rag_lengths", "TYPE_INT32", -1, True)]   # A3 chunked prompt, see a3_assembly.split_rag_prompt
 
 
 def default_sys_path() -> list[str]:

@@ -191,3 +191,14 @@ def test_any_mapping_type_is_accepted_for_overrides():
     assert MacConfig(layer_overrides=Frozen({1: Frozen({"window": 8})})) == ref
     assert MacConfig(layer_overrides=types.MappingProxyType({1: {"window": 8}})) == ref
     assert MacConfig(layer_overrides=[(1, [("window", 8)])]) == ref
+
+
+def test_completion_miss_policy_is_rejected_where_not_implemented():
+    from macattn.runtime import ModelRunner
+    from macattn.models import build_builtin_model
+
+    cfg = MacConfig(window=8, band=2).with_overrides({1: {"miss_policy": "completion"}})
+    assert MacConfig.from_dict(cfg.to_dict()) == cfg
+    MacConfig().require_full_misses("x")
+    with pytest.raises(ValueError, match=r"miss_policy='completion'.*ModelRunner.*\[1\]"):
+        ModelRunner.from_hf(build_builtin_model("llama"), cfg)

@@ -78,7 +78,7 @@ def _cmd_build(args) -> int:
 
 
 # modules whose register(sub) adds their own subcommands (training and evaluation tools)
-COMMAND_MODULES = ("macattn.finetune_mka",)
+COMMAND_MODULES = ("macattn.finetune_mka", "macattn.distill_completion", "macattn.evaluation.harness", "macattn.tune")
 
 
 def build_parser() -> argparse.ArgumentParser:

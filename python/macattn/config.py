@@ -12,10 +12,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["LayerMacParams", "MacConfig", "CONTEXT_HEAVY_TAU", "GENERATION_HEAVY_TAU"]
+__all__ = ["LayerMacParams", "MacConfig", "CONTEXT_HEAVY_TAU", "GENERATION_HEAVY_TAU", "MISS_POLICIES"]
 
 CONTEXT_HEAVY_TAU = 0.45
 GENERATION_HEAVY_TAU = 0.75
+MISS_POLICIES = ("full", "completion")
 
 
 def _check_int(name: str, value: Any, lo: int) -> None:
@@ -45,18 +46,26 @@ class LayerMacParams:
     band:   rectification band ``r`` (>= 0); a hit recomputes ``[p - r + 1, m]``.
     tau:    threshold in [0, 1): hit iff ``||q~_m - q~_p|| < sqrt(2 d) (1 - tau)``.
     enabled: False makes every step a miss (ordinary full attention).
+    miss_policy: what a miss computes: ``"full"`` (full attention over ``[0, m]``, the
+    paper) or ``"completion"`` (Top-k retrieval + linear-attention completion of the
+    prefill's mid region, SPEC §3; see ``macattn.mac_completion``). Only the CPU
+    reference step and ``macattn eval`` / ``macattn tune`` honour ``"completion"``; the
+    runtime and ``macattn build`` reject it (``MacConfig.require_full_misses``).
     """
 
     window: int = 1024
     band: int = 256
     tau: float = CONTEXT_HEAVY_TAU
     enabled: bool = True
+    miss_policy: str = "full"
 
     def __post_init__(self) -> None:
         _check_int("window", self.window, 1)
         _check_int("band", self.band, 0)
         _check_tau("tau", self.tau)
         _check_bool("enabled", self.enabled)
+        if self.miss_policy not in MISS_POLICIES:
+            raise ValueError(f"miss_policy must be one of {MISS_POLICIES}, got {self.miss_policy!r}")
         object.__setattr__(self, "tau", float(self.tau))
 
     def threshold(self, head_dim: int) -> float:
@@ -64,7 +73,7 @@ class LayerMacParams:
         return math.sqrt(2.0 * head_dim) * (1.0 - self.tau)
 
 
-_LAYER_FIELDS = ("window", "band", "tau", "enabled")
+_LAYER_FIELDS = ("window", "band", "tau", "enabled", "miss_policy")
 
 
 @dataclass(frozen=True)
@@ -125,6 +134,15 @@ class MacConfig(LayerMacParams):
                 fields.update(dict(override))
         return LayerMacParams(**fields)
 
+    def require_full_misses(self, where: str) -> None:
+        """Raise ``ValueError`` if any layer asks for ``miss_policy="completion"``: ``where`` (the
+        runtime, the ONNX export) runs full-attention misses only."""
+        layers = sorted({0, *(i for i, _ in self.layer_overrides)})
+        bad = [i for i in layers if self.for_layer(i).miss_policy != "full"]
+        if self.miss_policy != "full" or bad:
+            raise ValueError(f"miss_policy='completion' is honoured by the CPU reference, macattn eval and macattn "
+                             f"tune only; {where} supports miss_policy='full' (layers asking otherwise: {bad or 'all'})")
+
     def with_overrides(self, overrides: Mapping[int, Mapping[str, Any]]) -> "MacConfig":
         merged = {idx: dict(f) for idx, f in self.layer_overrides}
         for idx, f in overrides.items():
@@ -134,6 +152,8 @@ class MacConfig(LayerMacParams):
     # --- per-layer file (written by `macattn tune`, read by `macattn build` and ModelRunner)
     def to_dict(self) -> dict:
         d = asdict(self)
+        if d["miss_policy"] == "full":   # the default stays out: files and engine manifests keep their old form
+            del d["miss_policy"]
         d["layer_overrides"] = {str(i): dict(f) for i, f in self.layer_overrides}
         return d
 

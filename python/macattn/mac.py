@@ -165,8 +165,18 @@ def mac_decode_step_reference(q: torch.Tensor, q_pre: torch.Tensor, k: torch.Ten
                               positions: torch.Tensor, slots: torch.Tensor, qring: torch.Tensor,
                               oring: torch.Tensor, ring_lse: torch.Tensor, ring_pos: torch.Tensor, *,
                               band: int, tau: float, enabled: bool = True,
-                              scale: float | None = None) -> MacStepResult:
-    """One MAC decode step for one layer: match, complete, rectify-append (rings mutated)."""
+                              scale: float | None = None, miss_policy: str = "full",
+                              completion=None) -> MacStepResult:
+    """One MAC decode step for one layer: match, complete, rectify-append (rings mutated).
+
+    miss_policy ``"completion"``: heads that miss take their output and ring entry from
+    ``completion.amend_misses`` (a ``macattn.mac_completion.CompletionOnMiss`` built at
+    prefill) instead of full attention; hits are unchanged.
+    """
+    if miss_policy not in ("full", "completion"):
+        raise ValueError(f"miss_policy must be 'full' or 'completion', got {miss_policy!r}")
+    if miss_policy == "completion" and completion is None:
+        raise ValueError("miss_policy='completion' needs completion= (a CompletionOnMiss built at prefill)")
     if enabled:
         match_pos, dist = mac_match_reference(q_pre, qring, ring_lse, ring_pos, slots, positions,
                                               band=band, tau=tau)
@@ -175,6 +185,8 @@ def mac_decode_step_reference(q: torch.Tensor, q_pre: torch.Tensor, k: torch.Ten
         dist = torch.full(q.shape[:2], float("inf"), dtype=torch.float32, device=q.device)
     out, entry = mac_attend_reference(q, k, v, positions, match_pos, oring, ring_lse, slots,
                                       band=band, scale=scale)
+    if miss_policy == "completion":
+        out, entry = completion.amend_misses(q, k, v, positions, match_pos, out, entry, band=band, scale=scale)
     ring_append_reference(qring, oring, ring_lse, ring_pos, slots, positions, q_pre, entry)
     return MacStepResult(out, match_pos, dist)
 

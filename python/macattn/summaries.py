@@ -61,7 +61,12 @@ def summarize(logits: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None =
     lse = torch.logsumexp(logits, dim=-1)
     safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     w = torch.exp(logits - safe.unsqueeze(-1))  # 0 where masked, even when the whole row is
-    o = torch.matmul(w.unsqueeze(-2), v.to(acc)).squeeze(-2)
+    if v.dim() == logits.dim() + 1 and v.shape[-3] == 1 and logits.dim() >= 2:
+        # v shared by the rows of logits' last leading dim ([..., 1, T, d], e.g. ring seeding): one
+        # [n, T] @ [T, d] matmul; the batched form below would materialise v once per row (100x slower)
+        o = torch.matmul(w, v.to(acc).squeeze(-3))
+    else:
+        o = torch.matmul(w.unsqueeze(-2), v.to(acc)).squeeze(-2)
     return AttentionSummary(o, lse)
 
 

@@ -15,6 +15,7 @@ import queue
 import time
 
 import numpy as np
+import torch
 import pytest
 from _tiny import MAC, prompts, tiny_model
 
@@ -85,6 +86,27 @@ def _inputs(mod, ids, max_new_tokens, **optional):
         t.set_data_from_numpy(arr)
         out.append(t)
     return out
+
+
+def test_http_chunked_rag_request_matches_model_runner(server):
+    """One A3 chunked prompt (rag_lengths = [system, chunk lengths]) equals ModelRunner's documents= call."""
+    system, question = prompts(1, seed=91, lo=5, hi=20)[0], prompts(1, seed=93, lo=4, hi=8)[0]
+    chunks = prompts(3, seed=92, lo=8, hi=20)
+    runner = ModelRunner.from_dir(server["engine"], max_batch_size=8, block_size=8)
+    out = runner.generate([system], documents=[chunks], question_ids=[question], max_new_tokens=NEW,
+                          return_dict=True, output_sequence_lengths=True)
+    ids = torch.cat([system, *chunks, question])
+    want = out["output_ids"][0, 0, len(ids):int(out["sequence_lengths"][0, 0])].tolist()
+    lengths = np.array([len(system)] + [len(c) for c in chunks], np.int32)
+    inputs = _inputs(httpclient, ids.numpy(), NEW)
+    rag = httpclient.InferInput("rag_lengths", list(lengths.shape), "INT32")
+    rag.set_data_from_numpy(lengths)
+    got = server["http"].infer("macattn_sync", inputs + [rag]).as_numpy("output_ids").tolist()
+    assert got == want and len(want) == NEW
+    bad = httpclient.InferInput("rag_lengths", [1], "INT32")
+    bad.set_data_from_numpy(np.array([len(ids)], np.int32))
+    with pytest.raises(InferenceServerException, match="rag_lengths"):
+        server["http"].infer("macattn_sync", _inputs(httpclient, ids.numpy(), NEW) + [bad])
 
 
 def test_http_concurrent_requests_match_model_runner(server, expected):

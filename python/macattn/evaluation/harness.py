@@ -1,0 +1,444 @@
+"""``macattn eval``: RULER-style long-context fidelity of MAC and its alternatives vs full attention.
+
+For every task (``tasks.TASKS``) and length, ``n`` deterministic samples are decoded greedily by
+each method (``methods.py``). Metrics per method:
+
+* task accuracy — the method's greedy argmax reproduces the answer tokens (fed the correct answer
+  prefix, which equals its own free-running decode whenever it is right);
+* greedy-token agreement with full attention over ``gen`` steps, teacher-forced on one shared
+  input sequence (the answer, then full attention's continuation; as ``macattn generate``
+  does), so every step compares identical prefixes;
+* attention-output relative error per layer (same inputs, per decode step);
+* hit rate and KV skip per layer (SPEC §1.5 skipped prefix), and the KV read in
+  token-equivalents relative to full attention (covers misses served by completion too);
+* MAC paper Figs. 4-5 analogues: error vs band width ``r`` (a sweep on the first samples) and
+  per-head error of hits vs reuse gap ``m - p``.
+
+Writes ``eval.json`` and PNG plots. Presets (``--preset``): ``quick`` (4K, one sample per task,
+32 steps, MAC at tau 0.45 plus its completion-on-miss variant and retrieval-completion; about
+4 min on 2 idle CPU cores for the 8-layer 15.7M checkpoint: ~9 s of prefill, ring seeding and
+decode per method and sample) and ``full`` (4K/8K/16K, 4 samples per task, 128 steps;
+1-2 hours on 2 cores, dominated by the 16K prefills and ring seeding).
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import random
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import MacConfig
+from ..generate import greedy_decode
+from ..mac_completion import MissCompletionConfig
+from . import tasks as T
+from .methods import EvalMethod, Mac, RetrievalCompletion
+
+__all__ = ["EvalSettings", "PRESETS", "make_samples", "run_eval", "band_sweep", "plot", "load_eval_model",
+           "register", "byte_encoder"]
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """lengths: prompt+answer lengths in tokens (>= 64); tasks: subset of ``tasks.TASKS``; n: samples
+    per task and length (>= 1); gen: teacher-forced decode steps for agreement and error (>= 2);
+    seed: sample seed."""
+
+    lengths: tuple = (4096,)
+    tasks: tuple = T.TASKS
+    n: int = 2
+    gen: int = 32
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.lengths or any(isinstance(x, bool) or not isinstance(x, int) or x < 64 for x in self.lengths):
+            raise ValueError(f"lengths must be ints >= 64, got {self.lengths}")
+        bad = [t for t in self.tasks if t not in T.TASKS]
+        if bad or not self.tasks:
+            raise ValueError(f"tasks must be a non-empty subset of {T.TASKS}, got {self.tasks}")
+        if self.n < 1 or self.gen < 2:
+            raise ValueError(f"n must be >= 1 and gen >= 2, got n={self.n}, gen={self.gen}")
+
+
+PRESETS = {
+    "quick": dict(settings=EvalSettings(lengths=(4096,), n=1, gen=32), taus=(0.45,), bands=(0, 64, 256),
+                  sweep_samples=1),
+    "full": dict(settings=EvalSettings(lengths=(4096, 8192, 16384), n=4, gen=128), taus=(0.3, 0.45, 0.6, 0.75),
+                 bands=(0, 32, 64, 128, 256, 512), sweep_samples=4),
+}
+
+
+def byte_encoder(vocab_size: int, offset: int = 3) -> Callable[[str], list]:
+    """Tokenizer stand-in for models without one (the random built-in): UTF-8 bytes mod vocab."""
+    if vocab_size <= offset:
+        raise ValueError(f"vocab_size must be > {offset}, got {vocab_size}")
+    return lambda s: [offset + b % (vocab_size - offset) for b in s.encode()]
+
+
+def haystack_from(ids: Sequence[int]) -> Callable[[int, random.Random], list]:
+    """``haystack(n, rng)``: ``n`` consecutive ids of ``ids`` from a random start (wrapping)."""
+    ids = list(ids)
+    if not ids:
+        raise ValueError("haystack ids must be non-empty")
+
+    def hay(n: int, rng: random.Random) -> list:
+        start = rng.randrange(0, max(1, len(ids) - n))
+        out = ids[start:start + n]
+        while len(out) < n:
+            out += ids[: n - len(out)]
+        return out
+    return hay
+
+
+def make_samples(settings: EvalSettings, encode: Callable, haystack_ids: Sequence[int], bos: Sequence[int] = (),
+                 seed_offset: int = 0) -> list:
+    """The deterministic sample list: for each length, task and ``i < n`` one ``tasks.Sample``."""
+    rng = random.Random(settings.seed + seed_offset)
+    hay = haystack_from(haystack_ids)
+    return [T.make_sample(task, length, rng, encode, hay, bos=list(bos))
+            for length in settings.lengths for task in settings.tasks for _ in range(settings.n)]
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _summarise(rec, agree: int, steps: int) -> dict:
+    L = rec.num_layers
+    per = lambda num, den: [num[i] / den[i] if den[i] else 0.0 for i in range(L)]  # noqa: E731
+    return dict(
+        greedy_agreement=agree / steps, decode_steps=steps,
+        rel_error_per_layer=[_mean(e) for e in rec.errors],
+        rel_error_mean=_mean(x for e in rec.errors for x in e),
+        hit_rate_per_layer=per(rec.hits, rec.steps), skip_per_layer=per(rec.skipped, rec.steps),
+        kv_read_fraction_per_layer=per(rec.read, rec.context),
+        hit_rate=sum(rec.hits) / max(1, sum(rec.steps)), kv_skip=sum(rec.skipped) / max(1, sum(rec.steps)),
+        kv_read_fraction=sum(rec.read) / max(1.0, sum(rec.context)))
+
+
+def _gap_bins(hit_gap_error: list, n_bins: int = 12) -> dict:
+    """Mean per-head error of hits in log-spaced reuse-gap bins: ``{"gap_lo", "gap_hi", "error", "count"}``."""
+    if not hit_gap_error:
+        return dict(gap_lo=[], gap_hi=[], error=[], count=[])
+    gaps = torch.tensor([g for _, g, _ in hit_gap_error], dtype=torch.float64)
+    errs = torch.tensor([e for _, _, e in hit_gap_error], dtype=torch.float64)
+    edges = torch.logspace(0, math.log10(float(gaps.max()) + 1), n_bins + 1, dtype=torch.float64)
+    idx = (torch.bucketize(gaps, edges, right=True) - 1).clamp(0, n_bins - 1)
+    out = dict(gap_lo=[], gap_hi=[], error=[], count=[])
+    for b in range(n_bins):
+        sel = idx == b
+        if bool(sel.any()):
+            out["gap_lo"].append(float(edges[b]))
+            out["gap_hi"].append(float(edges[b + 1]))
+            out["error"].append(float(errs[sel].mean()))
+            out["count"].append(int(sel.sum()))
+    return out
+
+
+def _reference(model, prompt: torch.Tensor, answer: list, steps: int) -> tuple[list, list]:
+    """Full attention's greedy tokens ``ref`` (``steps`` of them) on the input sequence that feeds the
+    correct ``answer`` first and then full attention's own continuation; returns ``(inputs, ref)``
+    where ``inputs[i]`` is the token fed after step ``i``.
+
+    Feeding the answer makes one teacher-forced decode per method give both metrics: the method is
+    correct iff its argmax reproduces the answer on the answer steps (its inputs there are exactly
+    the tokens a correct free-running decode would feed itself), and greedy agreement compares
+    identical prefixes on every step.
+    """
+    head, _ = greedy_decode(model, prompt, len(answer), forced=answer, desc="full")
+    tail, _ = greedy_decode(model, torch.cat([prompt, torch.tensor([answer])], dim=1), steps - len(answer),
+                            desc="full")
+    return list(answer) + tail, head + tail
+
+
+def run_eval(model, methods: Sequence[EvalMethod], settings: EvalSettings, *, encode: Callable,
+             haystack_ids: Sequence[int], bos: Sequence[int] = (), progress: bool = True) -> dict:
+    """Evaluate ``methods`` against full attention on ``model``; returns the JSON-able result dict."""
+    samples = make_samples(settings, encode, haystack_ids, bos)
+    names = [m.name for m in methods]
+    if len(set(names)) != len(names) or "full" in names:
+        raise ValueError(f"method names must be distinct and not 'full', got {names}")
+    acc = {name: {} for name in ["full", *names]}
+    stats = {m.name: dict(agree=0, steps=0, gaps=[]) for m in methods}
+    for m in methods:
+        m.recorder = None
+    bar = tqdm(total=len(samples) * (1 + len(methods)), desc="eval", disable=not progress)
+    for s in samples:
+        prompt = torch.tensor([s.ids])
+        key = f"{s.task}@{len(s.ids) + len(s.answer)}"
+        forced, ref = _reference(model, prompt, s.answer, max(settings.gen, len(s.answer) + 1))
+        acc["full"].setdefault(key, []).append(ref[:len(s.answer)] == s.answer)
+        bar.update()
+        for m in methods:
+            with m.attach(model):
+                own, _ = greedy_decode(model, prompt, len(ref), forced=forced, desc=m.name)
+            acc[m.name].setdefault(key, []).append(own[:len(s.answer)] == s.answer)
+            st = stats[m.name]
+            st["agree"] += sum(a == b for a, b in zip(own, ref))
+            st["steps"] += len(ref)
+            bar.update()
+    bar.close()
+    cfg = model.config
+    out = dict(settings=asdict(settings), model=dict(
+        layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        params=sum(p.numel() for p in model.parameters())),
+        machine=f"{platform.machine()} CPU, {torch.get_num_threads()} threads", torch=torch.__version__,
+        methods={})
+    for name, per in acc.items():
+        flat = [x for v in per.values() for x in v]
+        entry = dict(accuracy={k: _mean(v) for k, v in per.items()}, accuracy_mean=_mean(flat))
+        for task in settings.tasks:
+            entry["accuracy"][task] = _mean(x for k, v in per.items() if k.startswith(task + "@") for x in v)
+        if name in stats:
+            rec = next(m.recorder for m in methods if m.name == name)
+            entry.update(_summarise(rec, stats[name]["agree"], stats[name]["steps"]))
+            entry["error_vs_gap"] = _gap_bins(rec.hit_gap_error)
+        out["methods"][name] = entry
+    return out
+
+
+def band_sweep(model, bands: Sequence[int], *, tau: float, window: int, samples: list, gen: int,
+               progress: bool = True) -> dict:
+    """MAC paper Fig. 4 analogue: mean attention-output relative error, KV skip and greedy agreement
+    of MAC at each band ``r`` (fixed ``tau``, ``window``), teacher-forced on full attention over
+    ``samples`` (``tasks.Sample`` list)."""
+    refs = [greedy_decode(model, torch.tensor([s.ids]), gen, desc="full")[0] for s in samples]
+    rows = []
+    for r in tqdm(bands, desc="band sweep", disable=not progress):
+        m = Mac(MacConfig(window=window, band=int(r), tau=tau))
+        agree = steps = 0
+        for s, ref in zip(samples, refs):
+            with m.attach(model):
+                toks, _ = greedy_decode(model, torch.tensor([s.ids]), gen, forced=ref, desc=f"r={r}")
+            agree += sum(a == b for a, b in zip(toks, ref))
+            steps += gen
+        summ = _summarise(m.recorder, agree, steps)
+        rows.append(dict(band=int(r), rel_error_mean=summ["rel_error_mean"], kv_skip=summ["kv_skip"],
+                         hit_rate=summ["hit_rate"], greedy_agreement=summ["greedy_agreement"]))
+    return dict(tau=tau, window=window, samples=len(samples), gen=gen, rows=rows)
+
+
+def plot(result: dict, out_dir: str | Path, prefix: str = "eval") -> list[Path]:
+    """PNGs: ``{prefix}_per_layer.png`` (hit rate, KV skip / read, error per layer per method),
+    ``{prefix}_error_vs_band.png`` and ``{prefix}_error_vs_gap.png`` (paper Figs. 4-5 analogues)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    paths = []
+    methods = {k: v for k, v in result["methods"].items() if "rel_error_per_layer" in v}
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
+    for name, e in methods.items():
+        xs = range(len(e["rel_error_per_layer"]))
+        if any(e["hit_rate_per_layer"]):
+            axes[0].plot(xs, e["hit_rate_per_layer"], marker="o", label=name)
+            axes[1].plot(xs, e["skip_per_layer"], marker="o", label=name)
+        axes[2].plot(xs, e["kv_read_fraction_per_layer"], marker="o", label=name)
+        axes[3].semilogy(xs, [max(x, 1e-12) for x in e["rel_error_per_layer"]], marker="o", label=name)
+    titles = ("MAC hit rate", "KV skip (skipped prefix, SPEC §1.5)", "KV read / full (token-equivalents)",
+              "attention-output relative error")
+    for ax, t in zip(axes, titles):
+        ax.set_xlabel("layer")
+        ax.set_title(t, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[3].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out_dir / f"{prefix}_per_layer.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    sweep = result.get("band_sweep")
+    if sweep and sweep["rows"]:
+        fig, ax = plt.subplots(figsize=(6, 4.2))
+        rs = [r["band"] for r in sweep["rows"]]
+        ax.plot(rs, [r["rel_error_mean"] for r in sweep["rows"]], marker="o", color="C0")
+        ax.set_xlabel("band width r (tokens)")
+        ax.set_ylabel("mean attention-output rel. error", color="C0")
+        ax.set_yscale("log")
+        ax2 = ax.twinx()
+        ax2.plot(rs, [r["kv_skip"] for r in sweep["rows"]], marker="s", color="C1")
+        ax2.set_ylabel("KV skip", color="C1")
+        ax.set_title(f"MAC error vs band (tau={sweep['tau']}, K={sweep['window']})", fontsize=10)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        paths.append(out_dir / f"{prefix}_error_vs_band.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    drawn = False
+    for name, e in methods.items():
+        g = e.get("error_vs_gap", {})
+        if g and g["error"]:
+            mids = [math.sqrt(lo * hi) for lo, hi in zip(g["gap_lo"], g["gap_hi"])]
+            ax.loglog(mids, [max(x, 1e-12) for x in g["error"]], marker="o", label=name)
+            drawn = True
+    if drawn:
+        ax.set_xlabel("reuse gap m - p (tokens)")
+        ax.set_ylabel("per-head rel. error of hits")
+        ax.set_title("MAC error vs reuse gap", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out_dir / f"{prefix}_error_vs_gap.png")
+        fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+# ----------------------------------------------------------------------------- model + CLI
+
+
+def _pseudo_text(encode: Callable, n_words: int = 20000, seed: int = 0) -> list:
+    """Fallback haystack: sentences of KJV words (only when no text shard is given or found)."""
+    rng = random.Random(seed)
+    words = [rng.choice(T.KEY_WORDS) for _ in range(n_words)]
+    sents = [" ".join(words[i:i + 12]).capitalize() + "." for i in range(0, n_words, 12)]
+    return list(encode(" " + " ".join(sents)))
+
+
+def _read_haystack(path: Path, encode: Callable) -> list:
+    if path.suffix == ".npy":
+        import numpy as np
+
+        return [int(x) for x in np.load(path).reshape(-1).tolist()]
+    return list(encode(path.read_text()))
+
+
+def load_eval_model(which: str, *, seed: int = 0, haystack: str | None = None):
+    """``(model, encode, haystack_ids, bos, description)`` for ``which`` = ``"trained"`` (the packaged
+    checkpoint), ``"random"`` (the random built-in LLaMA, byte-level "tokenizer") or a checkpoint dir.
+
+    Haystack: ``haystack`` (.npy of token ids or a text file), else the checkpoint's held-out
+    text (``heldout.txt``, documents it was not trained on), else KJV-word pseudo-sentences
+    (recorded in the description).
+    """
+    if which == "random":
+        from ..models import build_builtin_model
+
+        model = build_builtin_model("llama", seed=seed)
+        encode = byte_encoder(model.config.vocab_size)
+        bos = []
+        ckpt = None
+    else:
+        from ..checkpoint import BUILTIN_CHECKPOINT_DIR, load_builtin_checkpoint
+
+        ckpt = BUILTIN_CHECKPOINT_DIR if which == "trained" else Path(which)
+        model, tok = load_builtin_checkpoint(ckpt)
+        encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+        bos = [tok.bos_token_id]
+    candidates = [Path(haystack)] if haystack else []
+    if ckpt is not None:
+        candidates.append(Path(ckpt) / "heldout.txt")
+    for c in candidates:
+        if c.is_file():
+            return model, encode, _read_haystack(c, encode), bos, f"haystack: {c}"
+    if haystack:
+        raise FileNotFoundError(f"--haystack {haystack} does not exist")
+    if which == "random":
+        g = torch.Generator().manual_seed(seed)
+        hay = torch.randint(300, model.config.vocab_size, (1 << 16,), generator=g).tolist()
+        return model, encode, hay, bos, "haystack: uniform random token ids"
+    return model, encode, _pseudo_text(encode, seed=seed), bos, "haystack: KJV-word pseudo-sentences (fallback)"
+
+
+def _csv(s: str, typ):
+    return tuple(typ(x) for x in s.split(",") if x.strip())
+
+
+def _cmd_eval(args) -> int:
+    preset = PRESETS[args.preset]
+    st = preset["settings"]
+    settings = EvalSettings(lengths=_csv(args.lengths, int) if args.lengths else st.lengths,
+                            tasks=_csv(args.tasks, str) if args.tasks else st.tasks,
+                            n=args.n or st.n, gen=args.gen or st.gen, seed=args.seed)
+    taus = _csv(args.taus, float) if args.taus else preset["taus"]
+    bands = _csv(args.bands, int) if args.bands is not None else preset["bands"]
+    model, encode, hay, bos, hay_desc = load_eval_model(args.model, seed=args.seed, haystack=args.haystack)
+    comp = MissCompletionConfig(n_sink=args.n_sink, n_tail=args.n_tail, top_k=args.top_k,
+                                feature_dim=args.feature_dim)
+    maps = None
+    if args.feature_maps:
+        from ..completion_maps import load_feature_maps
+
+        maps = load_feature_maps(args.feature_maps)
+    methods: list[EvalMethod] = [Mac(MacConfig(window=args.window, band=args.band, tau=t), gen_len=settings.gen)
+                                 for t in taus]
+    if args.completion:
+        plain_cfg = MacConfig(window=args.window, band=args.band, tau=args.completion_tau)
+        if args.completion_tau not in taus:
+            methods.append(Mac(plain_cfg, gen_len=settings.gen))
+        on_miss = Mac(replace(plain_cfg, miss_policy="completion"), completion=comp, maps=maps, gen_len=settings.gen)
+        methods += [on_miss, RetrievalCompletion(comp, maps=maps, gen_len=settings.gen)]
+    if args.per_layer:
+        methods.append(Mac(MacConfig.load(args.per_layer), gen_len=settings.gen,
+                           name=f"mac(per-layer {Path(args.per_layer).name})"))
+    result = run_eval(model, methods, settings, encode=encode, haystack_ids=hay, bos=bos)
+    result["model"]["source"] = args.model
+    result["haystack"] = hay_desc
+    result["preset"] = args.preset
+    result["completion_config"] = dict(asdict(comp), feature_maps=args.feature_maps or "untrained random features")
+    if args.completion:   # MAC with completion on a miss vs plain MAC at the same (tau, K, r)
+        a, b = result["methods"][Mac(plain_cfg).name], result["methods"][on_miss.name]
+        result["completion_on_miss_vs_plain"] = {
+            key: dict(plain=a[key], completion=b[key]) for key in
+            ("accuracy_mean", "greedy_agreement", "rel_error_mean", "hit_rate", "kv_read_fraction")}
+    if bands:
+        sw = make_samples(settings, encode, hay, bos, seed_offset=7919)[:preset["sweep_samples"]]
+        result["band_sweep"] = band_sweep(model, bands, tau=args.band_sweep_tau, window=args.window, samples=sw,
+                                          gen=settings.gen)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{'method':<46}{'acc':>6}{'agree':>7}{'err':>10}{'hit':>7}{'skip':>7}{'read':>7}")
+    for name, e in result["methods"].items():
+        print(f"{name:<46}{e['accuracy_mean']:>6.3f}{e.get('greedy_agreement', 1.0):>7.3f}"
+              f"{e.get('rel_error_mean', 0.0):>10.2e}{e.get('hit_rate', 0.0):>7.3f}{e.get('kv_skip', 0.0):>7.3f}"
+              f"{e.get('kv_read_fraction', 1.0):>7.3f}")
+    try:
+        pngs = plot(result, out.parent, prefix=out.stem)
+    except ImportError:
+        pngs = []
+        print("matplotlib is not installed: no PNG plots")
+    print("wrote " + ", ".join(str(p) for p in [out, *pngs]))
+    return 0
+
+
+def register(sub) -> None:
+    """Add ``macattn eval`` to the CLI's argparse subparsers."""
+    p = sub.add_parser("eval", help="RULER-style long-context accuracy and fidelity of MAC vs full attention")
+    p.add_argument("--model", default="trained",
+                   help="'trained' (packaged checkpoint), 'random' (random built-in llama) or a checkpoint dir")
+    p.add_argument("--preset", choices=tuple(PRESETS), default="quick",
+                   help="quick: 4K, 1 sample/task, 32 steps (~4 min, 2 cores); "
+                        "full: 4K-16K, 4 samples/task, 128 steps (1-2 h)")
+    p.add_argument("--lengths", default=None, help="comma-separated sample lengths (overrides the preset)")
+    p.add_argument("--tasks", default=None, help=f"comma-separated subset of {','.join(T.TASKS)}")
+    p.add_argument("--n", type=int, default=None, help="samples per task and length")
+    p.add_argument("--gen", type=int, default=None, help="teacher-forced decode steps per sample")
+    p.add_argument("--taus", default=None, help="MAC thresholds to evaluate (comma-separated)")
+    p.add_argument("--window", type=int, default=1024, help="MAC ring capacity K")
+    p.add_argument("--band", type=int, default=256, help="MAC band r")
+    p.add_argument("--bands", default=None, help="band sweep (error vs r) values; '' disables")
+    p.add_argument("--band-sweep-tau", type=float, default=0.45)
+    p.add_argument("--no-completion", dest="completion", action="store_false",
+                   help="skip MAC+completion-on-miss and retrieval-completion")
+    p.add_argument("--completion-tau", type=float, default=0.45, help="tau of MAC with completion on a miss")
+    p.add_argument("--n-sink", type=int, default=16)
+    p.add_argument("--n-tail", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=64)
+    p.add_argument("--feature-dim", type=int, default=64, help="features F of untrained completion maps")
+    p.add_argument("--feature-maps", default=None, help="trained completion feature maps (macattn distill-completion)")
+    p.add_argument("--per-layer", default=None, help="also evaluate this MacConfig JSON (from macattn tune)")
+    p.add_argument("--haystack", default=None, help=".npy of token ids or a text file for the haystack")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="eval.json", help="JSON to write; PNGs go next to it")
+    p.set_defaults(func=_cmd_eval)

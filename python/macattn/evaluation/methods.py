@@ -1,0 +1,247 @@
+"""The decode methods ``macattn eval`` compares, behind one small interface.
+
+A method is an ``EvalMethod``: ``attach(model)`` is a context manager that patches the model
+(``macattn.builder.patch.patch_model`` supplies the pre-RoPE query capture, the prefill and
+ring seeding) and yields a ``Recorder`` (``None`` for the unpatched full-attention baseline).
+While attached, every decode step of every layer goes through ``method.decode`` under the
+attention name ``"macattn_eval"``; the recorder then keeps, per layer, the attention-output
+relative error against full attention on the same inputs, hits, the SPEC §1.5 skipped
+prefix, and the KV read in token-equivalents. Adding a method is a subclass with ``name``,
+``decode`` and (optionally) ``prefill``:
+
+* ``FullAttention`` — the baseline (no patch);
+* ``Mac`` — MAC (``macattn.mac.mac_decode_step_reference``), any ``MacConfig`` including
+  per-layer overrides and ``miss_policy="completion"`` (``macattn.mac_completion``);
+* ``RetrievalCompletion`` — SPEC §3 on every step (``macattn.completion.hybrid_decode_step``).
+
+A3 (SPEC §4) plugs in the same way once ``macattn.a3`` exists.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from ..completion import build_completion_cache_batched, hybrid_decode_step, partition, token_equivalents
+from ..config import MacConfig
+from ..mac import full_attention_reference, mac_decode_step_reference
+from ..completion_maps import CompletionFeatureMaps
+from ..mac_completion import CompletionOnMiss, MissCompletionConfig, random_feature_maps
+
+__all__ = ["EVAL_IMPL", "Recorder", "EvalMethod", "FullAttention", "Mac", "RetrievalCompletion"]
+
+EVAL_IMPL = "macattn_eval"
+
+
+@dataclass
+class Recorder:
+    """Per-layer accumulators of one attached method (lists of length ``num_layers``).
+
+    steps: decode (step, head) pairs; hits / skipped: MAC hits and Σ (p - r)_+ / m over them;
+    read / context: Σ KV tokens read (token-equivalents) and Σ (m + 1) over (step, head);
+    errors: per-step ``||o - o_full|| / ||o_full||`` of the layer (all heads);
+    hit_gap_error: ``(layer, m - p, per-head relative error)`` of every hit.
+    """
+
+    num_layers: int
+    steps: list = field(default_factory=list)
+    hits: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+    read: list = field(default_factory=list)
+    context: list = field(default_factory=list)
+    errors: list = field(default_factory=list)
+    hit_gap_error: list = field(default_factory=list)
+    enabled: bool = True
+
+    def __post_init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        L = self.num_layers
+        self.steps, self.hits, self.skipped = [0] * L, [0] * L, [0.0] * L
+        self.read, self.context = [0.0] * L, [0.0] * L
+        self.errors = [[] for _ in range(L)]
+        self.hit_gap_error = []
+
+    def record(self, layer: int, out: torch.Tensor, full: torch.Tensor, positions: torch.Tensor,
+               read: torch.Tensor, match_pos: torch.Tensor | None = None, band: int = 0) -> None:
+        """out / full ``[B, Hq, d]``; read ``[B, Hq]`` token-equivalents; match_pos ``[B, Hq]`` (-1 miss)."""
+        if not self.enabled:
+            return
+        diff = (out.double() - full.double())
+        self.errors[layer].append(float(diff.norm() / full.double().norm().clamp(min=1e-30)))
+        m = positions.double().view(-1, 1).expand_as(read)
+        self.steps[layer] += read.numel()
+        self.read[layer] += float(read.double().sum())
+        self.context[layer] += float((m + 1).sum())
+        if match_pos is not None:
+            hit = match_pos >= 0
+            self.hits[layer] += int(hit.sum())
+            self.skipped[layer] += float(torch.where(hit, (match_pos - band).clamp(min=0) / m.clamp(min=1), 0.0).sum())
+            head_err = diff.norm(dim=-1) / full.double().norm(dim=-1).clamp(min=1e-30)
+            for g, e in zip((m - match_pos)[hit].tolist(), head_err[hit].tolist()):
+                self.hit_gap_error.append((layer, int(g), e))
+
+
+def _eval_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function ``"macattn_eval"``: prefill through the MAC patch (seeds the
+    rings), decode through the attached method."""
+    from macattn.builder.patch import _check_no_padding, _mac_attention_forward
+
+    ctx = module._macattn_ctx
+    method: EvalMethod = ctx.eval_method
+    layer = module.layer_idx
+    B, Hq, T, d = query.shape
+    if T > 1:
+        out = _mac_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                     **kwargs)
+        method.prefill(layer, key, value)
+        return out
+    _check_no_padding(attention_mask)
+    q_pre = ctx.q_pre.pop(layer).view(B, Hq, d)
+    positions = torch.full((B,), key.shape[2] - 1, dtype=torch.int64, device=query.device)
+    q = query[:, :, 0]
+    out, read, match_pos, band = method.decode(ctx, layer, q, q_pre, key, value, positions, float(scaling))
+    if method.recorder is not None and method.recorder.enabled:
+        full = full_attention_reference(q, key, value, positions, scale=scaling)
+        method.recorder.record(layer, out, full, positions, read, match_pos, band)
+    return out.to(query.dtype).unsqueeze(1), None
+
+
+class EvalMethod:
+    """Base class: ``name``; ``prefill(layer, key, value)`` after each layer's prompt attention;
+    ``recorder`` accumulates over every ``attach`` until replaced (``recorder = None`` resets);
+    ``decode(ctx, layer, q, q_pre, key, value, positions, scale) -> (out [B, Hq, d], read [B, Hq]
+    token-equivalents, match_pos [B, Hq] or None, band)``; ``mac_config`` the patch config."""
+
+    name = "method"
+    mac_config = MacConfig(window=1, band=0, enabled=False)
+    recorder: Recorder | None = None
+
+    def prefill(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        pass
+
+    def decode(self, ctx, layer, q, q_pre, key, value, positions, scale):
+        raise NotImplementedError
+
+    @contextmanager
+    def attach(self, model):
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        from macattn.builder.patch import IMPL_NAME, patch_model, unpatch_model
+
+        ctx = patch_model(model, self.mac_config, num_slots=1)
+        ctx.eval_method = self
+        self._model_config = model.config
+        if self.recorder is None or self.recorder.num_layers != model.config.num_hidden_layers:
+            self.recorder = Recorder(model.config.num_hidden_layers)   # kept across attaches: stats accumulate
+        AttentionInterface.register(EVAL_IMPL, _eval_attention)
+        AttentionMaskInterface.register(EVAL_IMPL, sdpa_mask)
+        model.set_attn_implementation(EVAL_IMPL)
+        try:
+            yield self.recorder
+        finally:
+            model.set_attn_implementation(IMPL_NAME)
+            unpatch_model(model)
+
+
+class FullAttention(EvalMethod):
+    """The baseline: the model's own attention, unpatched (``attach`` yields ``None``)."""
+
+    name = "full"
+
+    @contextmanager
+    def attach(self, model):
+        yield None
+
+
+class Mac(EvalMethod):
+    """MAC with ``config`` (per-layer overrides and ``miss_policy`` honoured). For
+    ``miss_policy="completion"`` layers, ``completion`` configures the miss path, ``maps`` are the
+    feature maps (default: untrained random features, ``random_feature_maps``) and ``gen_len``
+    amortises the completion cache fetch in the read accounting."""
+
+    def __init__(self, config: MacConfig, *, completion: MissCompletionConfig | None = None,
+                 maps: CompletionFeatureMaps | None = None, gen_len: int = 64, name: str | None = None) -> None:
+        if not isinstance(config, MacConfig):
+            raise TypeError(f"config must be a MacConfig, got {type(config).__name__}")
+        self.mac_config = config
+        self.completion = completion or MissCompletionConfig()
+        self.maps = maps
+        self.gen_len = gen_len
+        self.states: dict[int, CompletionOnMiss] = {}
+        if name is None:
+            pol = "+completion" if config.miss_policy == "completion" else ""
+            name = (f"mac{pol}(tau={config.tau},K={config.window},r={config.band})" if not config.layer_overrides
+                    else f"mac{pol}(per-layer)")
+        self.name = name
+
+    def prefill(self, layer, key, value):
+        p = self.mac_config.for_layer(layer)
+        if p.miss_policy == "completion":
+            if self.maps is None:
+                self.maps = random_feature_maps(self._model_config, self.completion)
+            st = CompletionOnMiss(self.completion, self.maps, layer)
+            st.prefill(key, value, torch.full((key.shape[0],), key.shape[2]), band=p.band)
+            self.states[layer] = st
+
+    def decode(self, ctx, layer, q, q_pre, key, value, positions, scale):
+        p = self.mac_config.for_layer(layer)
+        comp = self.states.get(layer) if p.miss_policy == "completion" else None
+        res = mac_decode_step_reference(q, q_pre, key, value, positions, ctx.slots, *ctx.state.layer(layer),
+                                        band=p.band, tau=p.tau, enabled=p.enabled, scale=scale,
+                                        miss_policy=p.miss_policy, completion=comp)
+        m = positions.view(-1, 1).expand_as(res.match_pos)
+        miss_read = (m + 1).double()
+        if comp is not None:
+            miss_read = torch.tensor([[comp.miss_cost(int(positions[b]), b, band=p.band, gen_len=self.gen_len)]
+                                      for b in range(q.shape[0])], dtype=torch.float64).expand_as(miss_read)
+        read = torch.where(res.hit, (m - res.match_pos + p.band).double(), miss_read)
+        return res.out, read, res.match_pos, p.band
+
+
+class RetrievalCompletion(EvalMethod):
+    """SPEC §3 on every decode step: sink + tail + Top-k(mid) + generated exact, the rest of the
+    prefill's mid region completed through ``maps`` (default: untrained random features);
+    ``completion=False`` gives the selection-only baseline."""
+
+    def __init__(self, config: MissCompletionConfig | None = None, *, maps: CompletionFeatureMaps | None = None,
+                 completion: bool = True, gen_len: int = 64, name: str | None = None) -> None:
+        self.config = config or MissCompletionConfig()
+        self.maps = maps
+        self.use_completion = completion
+        self.gen_len = gen_len
+        self.caches: dict[int, tuple] = {}
+        c = self.config
+        self.name = name or (f"{'retrieval-completion' if completion else 'selection-only'}"
+                             f"(k={c.top_k},sink={c.n_sink},tail={c.n_tail})")
+
+    def prefill(self, layer, key, value):
+        c = self.config
+        if self.maps is None:
+            self.maps = random_feature_maps(self._model_config, c)
+        n = torch.full((key.shape[0],), key.shape[2], dtype=torch.int64)
+        lpk = self.maps.log_phi_k(layer, key.transpose(1, 2)).transpose(1, 2).float()   # [B, Hkv, T, F]
+        self.caches[layer] = (n, lpk, *build_completion_cache_batched(lpk, value, n, n_sink=c.n_sink,
+                                                                      n_tail=c.n_tail))
+
+    def decode(self, ctx, layer, q, q_pre, key, value, positions, scale):
+        c = self.config
+        n, lpk, a, b, shift = self.caches[layer]
+        pad = key.shape[2] - lpk.shape[2]
+        lpk_all = torch.cat([lpk, lpk.new_zeros(*lpk.shape[:2], pad, lpk.shape[3])], dim=2)  # generated rows unread
+        comp = (self.maps.log_phi_q(layer, q).float(), lpk_all, a, b, shift) if self.use_completion else None
+        out, parts = hybrid_decode_step(q, key, value, positions + 1, n, n_sink=c.n_sink, n_tail=c.n_tail,
+                                        top_k=c.top_k, scale=scale, completion=comp, return_parts=True)
+        read = torch.empty(q.shape[:2], dtype=torch.float64)
+        for i in range(q.shape[0]):
+            pt = partition(int(n[i]), int(positions[i]) + 1, n_sink=c.n_sink, n_tail=c.n_tail)
+            k_eff = int(parts["k_eff"][i, 0])
+            full_mid = k_eff >= pt.mid_len
+            read[i] = token_equivalents(exact_tokens=pt.seq_len - pt.mid_len + k_eff,
+                                        feature_dim=self.maps.spec.feature_dim,
+                                        head_dim=q.shape[-1], gen_len=self.gen_len, retrieved=k_eff,
+                                        completion=self.use_completion and not full_mid)["total"]
+        return out, read, None, 0
