@@ -77,7 +77,6 @@ def build_engine_dir(family: str, out: str | Path, *, mac: MacConfig, hf_dir: st
     """
     from tqdm.auto import tqdm
 
-    mac.require_full_misses("macattn build (the ONNX decode graph)")
     from macattn.builder.export import decode_io_names, model_dims, prefill_io_names
     from macattn.builder.onnx_export import check_onnx, export_decode_onnx, export_prefill_onnx
     from macattn.builder.onnx_ops import DOMAIN, DOMAIN_VERSION, MAC_ATTEND, MAC_MATCH
@@ -85,6 +84,7 @@ def build_engine_dir(family: str, out: str | Path, *, mac: MacConfig, hf_dir: st
 
     if not isinstance(mac, MacConfig):
         raise TypeError(f"mac must be a MacConfig, got {type(mac).__name__}")
+    mac.require_full_misses("macattn build (the ONNX decode graph)")
     out = Path(out)
     stages = ["load model", "save hf/", "export decode.onnx", "export prefill.onnx", "check ONNX",
               "manifest", "TensorRT engine"]
