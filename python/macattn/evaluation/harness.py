@@ -80,26 +80,11 @@ def byte_encoder(vocab_size: int, offset: int = 3) -> Callable[[str], list]:
     return lambda s: [offset + b % (vocab_size - offset) for b in s.encode()]
 
 
-def haystack_from(ids: Sequence[int]) -> Callable[[int, random.Random], list]:
-    """``haystack(n, rng)``: ``n`` consecutive ids of ``ids`` from a random start (wrapping)."""
-    ids = list(ids)
-    if not ids:
-        raise ValueError("haystack ids must be non-empty")
-
-    def hay(n: int, rng: random.Random) -> list:
-        start = rng.randrange(0, max(1, len(ids) - n))
-        out = ids[start:start + n]
-        while len(out) < n:
-            out += ids[: n - len(out)]
-        return out
-    return hay
-
-
 def make_samples(settings: EvalSettings, encode: Callable, haystack_ids: Sequence[int], bos: Sequence[int] = (),
                  seed_offset: int = 0) -> list:
     """The deterministic sample list: for each length, task and ``i < n`` one ``tasks.Sample``."""
     rng = random.Random(settings.seed + seed_offset)
-    hay = haystack_from(haystack_ids)
+    hay = T.haystack_from(haystack_ids)
     return [T.make_sample(task, length, rng, encode, hay, bos=list(bos))
             for length in settings.lengths for task in settings.tasks for _ in range(settings.n)]
 
