@@ -3,7 +3,8 @@
 #   bash benchmarks/device_job.sh tests tune bench
 # Steps run in the order given: tests (CMake native library, then every GPU test -> junit xml + log),
 # tune (launch-parameter sweep),
-# bench (bench_mac_decode.py; extra args in $BENCH_ARGS), e2e (bench_e2e.py; $E2E_ARGS). FlashInfer installs from .whl/ if carried.
+# bench (bench_mac_decode.py; extra args in $BENCH_ARGS), completion (bench_completion_decode.py;
+# $COMPLETION_ARGS), e2e (bench_e2e.py; $E2E_ARGS). FlashInfer installs from .whl/ if carried.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/macattn_out}
@@ -25,6 +26,8 @@ for step in "$@"; do
              --points "${TUNE_POINTS:-1x131072,32x131072}" 2>&1 | tee "$OUT/tune.log" ;;
     bench) timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_mac_decode.py ${BENCH_ARGS:-} \
              --out "$OUT/bench_mac_decode.json" 2>&1 | tee "$OUT/bench.log" ;;
+    completion) timeout "${COMPLETION_TIMEOUT:-300}" python3 benchmarks/bench_completion_decode.py ${COMPLETION_ARGS:-} \
+             --out "$OUT/bench_completion_decode.json" 2>&1 | tee "$OUT/completion.log" ;;
     e2e) timeout "${E2E_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py ${E2E_ARGS:-} \
              --out "$OUT/bench_e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -40 ;;
   esac

@@ -21,6 +21,8 @@ import torch
 
 from macattn.builder.export import (DecodeStepModule, PrefillStepModule, decode_io_names, model_dims,
                                     prefill_io_names)
+from macattn.builder.onnx_ops_completion import (custom_translation_table_completion,
+                                                 register_onnx_schemas_completion)
 from macattn.builder.onnx_ops_mka import custom_translation_table_mka, register_onnx_schemas_mka
 from macattn.builder.onnx_ops import (DOMAIN, DOMAIN_VERSION, custom_translation_table, register_onnx_schemas,
                                       replace_auto_functionalized, replace_inplace_attend)
@@ -143,7 +145,8 @@ def _translate(program, path: Path, names: tuple[list[str], list[str]], kind: st
         logging.getLogger("torch.onnx").setLevel(logging.ERROR)
         onnx_program = torch.onnx.export(program, args, dynamo=True, input_names=ins, output_names=outs,
                                          custom_translation_table={**custom_translation_table(),
-                                                                   **custom_translation_table_mka()},
+                                                                   **custom_translation_table_mka(),
+                                                                   **custom_translation_table_completion()},
                                          dynamic_shapes=dynamic_shapes, optimize=True, verbose=False,
                                          report=False)
     proto = onnx_program.model_proto
@@ -196,6 +199,7 @@ def check_onnx(path: str | Path) -> onnx.ModelProto:
     with the ``macattn`` schemas registered; returns the shape-inferred model."""
     register_onnx_schemas()
     register_onnx_schemas_mka()
+    register_onnx_schemas_completion()
     path = Path(path)
     onnx.checker.check_model(str(path), full_check=True)
     model = onnx.load(str(path))

@@ -16,6 +16,7 @@ import onnx
 import torch
 
 from macattn.builder.onnx_ops import DOMAIN, MAC_ATTEND, MAC_MATCH
+from macattn.builder.onnx_ops_completion import register_ort_ops_completion
 
 __all__ = ["ort_session", "run_session", "register_python_ops"]
 
@@ -66,6 +67,7 @@ def ort_session(path: str | Path):
     from onnxruntime_extensions import default_opset_domain, get_library_path
 
     register_python_ops()
+    register_ort_ops_completion()
     model = onnx.load(str(path))
     _retarget_domain(model, default_opset_domain())
     opts = ort.SessionOptions()

@@ -2,6 +2,9 @@
 
 * ``mac_match/``  — ``macattn::mac_match`` (nearest ring query, threshold, validity).
 * ``mac_attend/`` — ``macattn::mac_attend`` (split-KV attention, merge, ring append).
+* ``route_fused/`` — ``macattn::route_fused_attention`` (FastMKA decode step).
+* ``retrieval_completion/`` — ``macattn::retrieval_completion`` (Top-k + completion decode step)
+  and ``macattn::completion_cache`` (its prefill-time cache).
 * ``decode_plan.MacDecodePlan`` — plan once per batch bucket, run per step (fused MAC
   step and the full-attention path), CUDA-graph capturable.
 

@@ -3,7 +3,7 @@
 Targets TensorRT 10.8+ (``tensorrt.plugin`` with ``register`` / ``impl`` / ``aot_impl``;
 read from the 11.4 bindings' sources). TensorRT cannot be installed in this workplace, so
 this module is the thin, import-guarded skin over plain functions tested here:
-``mac_match/plugin.py`` and ``mac_attend/plugin.py`` (shape/dtype inference, AOT images).
+the ``plugin.py`` of each op folder (shape/dtype inference; AOT images for the MAC ops).
 
 Usage on a machine with TensorRT::
 
@@ -70,11 +70,13 @@ def image_to_tensorrt(trtp, image: AotImage):
 
 
 def register_all() -> tuple[str, ...]:
-    """Register ``mac::match``, ``mac::attend`` and ``mac::route_fused`` once; returns their plugin ids."""
+    """Register ``mac::match``, ``mac::attend``, ``mac::route_fused``, ``mac::retrieval_completion`` and
+    ``mac::completion_cache`` once; returns their plugin ids."""
     global _REGISTERED
     trt, trtp = require_tensorrt()
     from .mac_attend import plugin as attend_plugin
     from .mac_match import plugin as match_plugin
+    from .retrieval_completion import plugin as completion_plugin
     from .route_fused import plugin as route_plugin
 
     if not _REGISTERED:
@@ -82,5 +84,7 @@ def register_all() -> tuple[str, ...]:
         match_plugin.register_tensorrt(trtp, to_torch, to_trt)
         attend_plugin.register_tensorrt(trtp, to_torch, to_trt)
         route_plugin.register_tensorrt(trtp, to_torch, to_trt)
+        completion_plugin.register_tensorrt(trtp, to_torch, to_trt)
         _REGISTERED = True
-    return (match_plugin.PLUGIN_ID, attend_plugin.PLUGIN_ID, route_plugin.PLUGIN_ID)
+    return (match_plugin.PLUGIN_ID, attend_plugin.PLUGIN_ID, route_plugin.PLUGIN_ID, completion_plugin.STEP_ID,
+            completion_plugin.CACHE_ID)

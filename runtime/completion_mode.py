@@ -9,10 +9,10 @@ attention function registered with transformers' ``AttentionInterface`` as
   ``log φ_k`` of its keys are written to its slot and the stable completion cache of its mid
   region is built (``macattn.completion.build_completion_cache``);
 * decode (a batch of requests of different lengths, one token each): the token's K/V are
-  appended to the slot rows and attention is ``macattn::retrieval_completion`` (the Triton op of
-  ``macattn.plugins.retrieval_completion`` when it is importable, else the fp64 reference
-  ``retrieval_completion_step``; with ``selector="pages"`` always the reference with
-  ``PageSummaryTopK``).
+  appended to the slot rows and attention is ``macattn::retrieval_completion`` (on CUDA the Triton
+  kernels of ``macattn.plugins.retrieval_completion``, on the CPU the fp64 reference; with
+  ``selector="pages"`` always the reference with ``PageSummaryTopK``). The prefill-time cache is
+  ``macattn::completion_cache`` likewise.
 
 The model runs with ``use_cache=False``: the slot rows are the KV cache. A slot is reset when a
 request is admitted and when it is released. ``budget_report`` gives the KV reads per decode step
@@ -24,8 +24,8 @@ from collections import deque
 
 import torch
 
-from macattn.completion import (CompletionConfig, PageSummaryTopK, build_completion_cache, hybrid_decode_step,
-                                partition, retrieval_completion_step, token_equivalents)
+from macattn.completion import (CompletionConfig, build_completion_cache, hybrid_decode_step, partition,
+                                retrieval_completion_step, token_equivalents)
 from macattn.completion_maps import CompletionFeatureMaps
 
 from .completion_state import CompletionState
@@ -37,12 +37,11 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
 
 
 def completion_op():
-    """``torch.ops.macattn.retrieval_completion`` if its plugin package is importable, else None."""
-    try:
-        import macattn.plugins.retrieval_completion.op  # noqa: F401
-    except ImportError:
-        return None
-    return getattr(torch.ops.macattn, "retrieval_completion", None)
+    """``torch.ops.macattn.retrieval_completion``: the Triton kernels on CUDA when triton is importable
+    (``macattn.plugins`` registers them), the reference elsewhere."""
+    import macattn.ops_completion  # noqa: F401
+    import macattn.plugins  # noqa: F401
+    return torch.ops.macattn.retrieval_completion
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -58,8 +57,9 @@ class CompletionDecoder:
     model: a supported ``*ForCausalLM`` (patched in place; ``unpatch()`` restores it); maps: the
     distilled ``CompletionFeatureMaps`` of that model; config: ``CompletionConfig`` (n_sink,
     n_tail, top_k or budget fraction, selector); num_slots: requests in flight at most;
-    max_seq_len: prompt + generated tokens per request at most; use_op: None = the plugin op
-    when available, False = always the reference.
+    max_seq_len: prompt + generated tokens per request at most; use_op: None = the ops
+    (``completion_op``), False = the fp64 reference functions called directly. State lives on the
+    model's device.
     """
 
     def __init__(self, model, maps: CompletionFeatureMaps, config: CompletionConfig, *, num_slots: int = 4,
@@ -85,10 +85,13 @@ class CompletionDecoder:
                              f"{hf.num_attention_heads}/{hf.num_key_value_heads} heads, head_dim {head_dim})")
         self.model, self.maps, self.config = model.eval(), maps.eval(), config
         self.num_q_heads, self.head_dim = hf.num_attention_heads, head_dim
-        dtype = next(model.parameters()).dtype
+        param = next(model.parameters())
+        self.device = param.device
+        self.maps = self.maps.to(self.device)
         self.state = CompletionState.allocate(num_layers=hf.num_hidden_layers, num_slots=num_slots,
                                               num_kv_heads=hf.num_key_value_heads, max_seq_len=max_seq_len,
-                                              head_dim=head_dim, feature_dim=spec.feature_dim, dtype=dtype)
+                                              head_dim=head_dim, feature_dim=spec.feature_dim, dtype=param.dtype,
+                                              device=self.device)
         op = completion_op() if use_op is not False else None
         self.op = op if config.selector == "exact" else None
         self.selector = config.selector_impl()
@@ -124,13 +127,18 @@ class CompletionDecoder:
             with torch.no_grad():
                 lpk = self.maps.log_phi_k(layer, key[0].transpose(0, 1)).transpose(0, 1)  # [Hkv, T, F]
             st.log_phi_k[layer][s, :, :T] = lpk
-            p = partition(T, T, n_sink=cfg.n_sink, n_tail=cfg.n_tail)
-            a, b, c = build_completion_cache(lpk[:, p.mid_start:p.mid_end], value[0, :, p.mid_start:p.mid_end])
+            if self.op is not None:
+                a, b, c = torch.ops.macattn.completion_cache(lpk[None], value[:1], torch.tensor([T], device=lpk.device),
+                                                             cfg.n_sink, cfg.n_tail)
+                a, b, c = a[0], b[0], c[0]
+            else:
+                p = partition(T, T, n_sink=cfg.n_sink, n_tail=cfg.n_tail)
+                a, b, c = build_completion_cache(lpk[:, p.mid_start:p.mid_end], value[0, :, p.mid_start:p.mid_end])
             st.comp_a[layer][s], st.comp_b[layer][s], st.comp_shift[layer][s] = a, b, c
             out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
                                                                    enable_gqa=True)
             return out.transpose(1, 2)
-        rows = torch.arange(B)
+        rows = torch.arange(B, device=query.device)
         for name, x in (("k", key), ("v", value)):
             getattr(st, name)[layer][slots, :, pos] = x[rows, :, 0]
         seq_lens = pos + 1
@@ -142,7 +150,7 @@ class CompletionDecoder:
         out = torch.empty_like(q)
         ks = [cfg.k_for(partition(int(n), int(n), n_sink=cfg.n_sink, n_tail=cfg.n_tail).mid_len) for n in npf]
         for k in sorted(set(ks)):   # one call per distinct Top-k (differs per row only with a budget fraction)
-            idx = torch.tensor([i for i, kk in enumerate(ks) if kk == k], dtype=torch.int64)
+            idx = torch.tensor([i for i, kk in enumerate(ks) if kk == k], dtype=torch.int64, device=query.device)
             sl = slots[idx]
             args = (q[idx], st.k[layer][sl, :, :width], st.v[layer][sl, :, :width], seq_lens[idx], npf[idx],
                     lpq[idx], st.log_phi_k[layer][sl, :, :width], st.comp_a[layer][sl], st.comp_b[layer][sl],
@@ -172,10 +180,10 @@ class CompletionDecoder:
             raise ValueError(f"prompt length must be in [1, {self.state.max_seq_len - 1}], got {n}")
         slot = self.state.acquire()
         self._request_of_slot[slot], self._next_request = self._next_request, self._next_request + 1
-        self._slots, self._prefill = torch.tensor([slot]), True
+        self._slots, self._prefill = torch.tensor([slot], device=self.device), True
         try:
-            out = self.model(input_ids=ids[None], position_ids=torch.arange(n)[None], use_cache=False,
-                             logits_to_keep=1)
+            out = self.model(input_ids=ids[None].to(self.device), use_cache=False, logits_to_keep=1,
+                             position_ids=torch.arange(n, device=self.device)[None])
         finally:
             self._slots, self._prefill = None, False
         self.state.seq_len[slot] = n
@@ -192,12 +200,12 @@ class CompletionDecoder:
                 raise ValueError(f"slot {s} is not in use")
             if int(self.state.seq_len[s]) >= self.state.max_seq_len:
                 raise ValueError(f"slot {s} is full (max_seq_len={self.state.max_seq_len})")
-        sl = torch.tensor(slots, dtype=torch.int64)
+        sl = torch.tensor(slots, dtype=torch.int64, device=self.device)
         pos = self.state.seq_len[sl].clone()
         self._slots = sl
         try:
-            out = self.model(input_ids=torch.tensor(tokens, dtype=torch.int64)[:, None], position_ids=pos[:, None],
-                             use_cache=False, logits_to_keep=1)
+            out = self.model(input_ids=torch.tensor(tokens, dtype=torch.int64, device=self.device)[:, None],
+                             position_ids=pos[:, None], use_cache=False, logits_to_keep=1)
         finally:
             self._slots = None
         self.state.seq_len[sl] = pos + 1

@@ -120,3 +120,13 @@ def test_bad_inputs():
         CompletionDecoder(dec.model, dec.maps, CFG)
     with pytest.raises(ValueError, match="num_slots"):
         CompletionState.allocate(num_layers=1, num_slots=0, num_kv_heads=1, max_seq_len=4, head_dim=2, feature_dim=2)
+
+
+def test_through_the_ops_equals_the_reference_functions():
+    """use_op=None routes prefill and decode through torch.ops.macattn.completion_cache /
+    retrieval_completion (the reference on the CPU): same tokens, same logits."""
+    ps = prompts(3, seed=11, lo=30, hi=60)
+    ref = _decoder(slots=2)
+    via_ops = _decoder(slots=2)
+    via_ops.op = __import__("macattn.runtime.completion_mode", fromlist=["completion_op"]).completion_op()
+    assert ref.generate(ps, max_new_tokens=5) == via_ops.generate(ps, max_new_tokens=5)

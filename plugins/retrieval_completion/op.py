@@ -1,0 +1,98 @@
+"""CUDA implementations of ``macattn::completion_cache`` and ``macattn::retrieval_completion``
+(registered by ``macattn.plugins.registration``); contracts in ``macattn.ops_completion``.
+
+A decode step is three launches and no host sync (CUDA-graph capturable): ``_mid_logits``,
+``torch.topk`` over them (``k = min(top_k, T)``, one row per query head), ``_decode_step``.
+Values of ``seq_lens`` / ``n_prefill`` are not range-checked here (that would sync).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from macattn.ops_completion import (check_completion_cache_inputs, check_retrieval_completion_inputs,
+                                    resolve_scale)
+
+from .._triton_util import interpreting
+from .kernel import _completion_cache, _decode_step, _mid_logits
+
+__all__ = ["completion_cache_triton", "retrieval_completion_triton", "mid_topk_triton"]
+
+_alloc = torch.empty   # the tests swap in a NaN-filling allocator to check every output element is written
+
+# launch parameters of ``_decode_step`` (benchmarks/bench_completion_decode.py --sweep times alternatives):
+# one program per (request, query head) gathers BLOCK_K retrieved rows per iteration
+DECODE_LAUNCH = dict(BLOCK_T=32, BLOCK_K=32, num_warps=8)
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def completion_cache_triton(log_phi_k, v_cache, n_prefill, n_sink: int, n_tail: int):
+    """Same contract as ``macattn.ops_completion.completion_cache``; one launch, grid ``(B, Hkv)``."""
+    check_completion_cache_inputs(log_phi_k, v_cache, n_prefill, n_sink, n_tail)
+    B, H, T, F = log_phi_k.shape
+    d = v_cache.shape[3]
+    dev = v_cache.device
+    a = _alloc(B, H, F, d, dtype=torch.float32, device=dev)
+    b = _alloc(B, H, F, dtype=torch.float32, device=dev)
+    shift = _alloc(B, H, F, dtype=torch.float32, device=dev)
+    if B * H == 0:
+        return a, b, shift
+    lpk = _unit_last_stride(log_phi_k)
+    v = _unit_last_stride(v_cache)
+    _completion_cache[(B, H)](lpk, v, n_prefill.contiguous(), a, b, shift, *lpk.stride()[:3], *v.stride()[:3],
+                              H, F, d, int(n_sink), int(n_tail), F_P=_pow2(F), D_P=_pow2(d), BLOCK_T=32,
+                              num_warps=4)
+    return a, b, shift
+
+
+def mid_topk_triton(q, k_cache, n_prefill, n_sink: int, n_tail: int, top_k: int, scale: float) -> torch.Tensor:
+    """Positions ``[B, Hq, min(top_k, T)]`` int64 of each query head's Top-k mid keys by ``scale·q·k``
+    (q ``[B, Hq, d]``, k_cache ``[B, Hkv, T, d]`` with unit last stride, scale resolved). Rows whose mid
+    is shorter than ``top_k`` are padded with positions outside their mid; order is unspecified."""
+    B, Hq, d = q.shape
+    Hkv, T = k_cache.shape[1], k_cache.shape[2]
+    group = Hq // Hkv
+    kk = min(top_k, T)
+    if kk == 0:
+        return torch.empty(B, Hq, 0, dtype=torch.int64, device=q.device)
+    logits = _alloc(B, Hq, T, dtype=torch.float32, device=q.device)
+    block_t = 64
+    _mid_logits[(B * Hkv, triton.cdiv(T, block_t))](
+        q, k_cache, n_prefill, logits, *k_cache.stride()[:3], Hkv, T, d, int(n_sink), int(n_tail), scale, GROUP=group,
+        G_P=_pow2(group), D_P=_pow2(d), BLOCK_T=block_t, IEEE=q.dtype == torch.float32 or interpreting(), num_warps=4)
+    return torch.topk(logits, kk, dim=-1, sorted=False).indices
+
+
+def retrieval_completion_triton(q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A, comp_b,
+                                comp_shift, n_sink: int, n_tail: int, top_k: int, scale: float):
+    """Same contract as ``macattn.ops_completion.retrieval_completion``: ``out [B, Hq, d]`` in q's dtype."""
+    check_retrieval_completion_inputs(q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A,
+                                      comp_b, comp_shift, n_sink, n_tail, top_k, scale)
+    B, Hq, d = q.shape
+    Hkv, T = k_cache.shape[1], k_cache.shape[2]
+    F = log_phi_q.shape[2]
+    group = Hq // Hkv
+    scale = resolve_scale(scale, d)
+    dev = q.device
+    out = _alloc(B, Hq, d, dtype=q.dtype, device=dev)
+    if B == 0:
+        return out
+    k = _unit_last_stride(k_cache)
+    v = _unit_last_stride(v_cache)
+    if v.stride() != k.stride():
+        k, v = k.contiguous(), v.contiguous()
+    lpk = _unit_last_stride(log_phi_k)
+    q, lpq, comp_A, comp_b, comp_shift = (t.contiguous() for t in (q, log_phi_q, comp_A, comp_b, comp_shift))
+    seq_lens, n_prefill = seq_lens.contiguous(), n_prefill.contiguous()
+    idx = mid_topk_triton(q, k, n_prefill, n_sink, n_tail, top_k, scale)
+    _decode_step[(B, Hq)](q, k, v, seq_lens, n_prefill, lpq, lpk, comp_A, comp_b, comp_shift, idx, out,
+                          *k.stride()[:3], *lpk.stride()[:3], Hq, Hkv, d, F, idx.shape[2], int(n_sink), int(n_tail),
+                          int(top_k), scale, GROUP=group, D_P=_pow2(d), F_P=_pow2(F), **DECODE_LAUNCH)
+    return out
