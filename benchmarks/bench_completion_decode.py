@@ -3,8 +3,8 @@
 One attention layer's decode step, LLaMA-3.1-8B shapes (32 query heads, 8 KV heads, d=128, bf16 K/V),
 ``F = 64`` features, B requests whose prefill holds ``context`` tokens (sink 16, tail 64, 8 generated):
 
-  ours          ``macattn::retrieval_completion`` (Triton mid logits -> torch.topk -> fused exact +
-                subtraction + completion kernel), Top-k = ``--frac`` of the mid region
+  ours          ``macattn::retrieval_completion`` (Triton mid logits -> torch.topk -> split-K exact +
+                subtraction partials -> merge with the completion), Top-k = ``--frac`` of the mid region
   ours_logits   the first two launches alone (exhaustive mid logits + Top-k): the selection cost
   flashinfer    BatchDecodeWithPagedKVCacheWrapper (NHD, page 16, tensor cores), planned once
   sdpa          F.scaled_dot_product_attention(enable_gqa=True) over the contiguous cache
@@ -109,7 +109,8 @@ def flashinfer_step(p, B):
     return (lambda: w.run(p["q"], (kp, vp), out=out)), out, (kp, vp, ws)
 
 
-SWEEP = [dict(BLOCK_T=32, BLOCK_K=bk, num_warps=w) for bk in (16, 32, 64) for w in (4, 8)]
+SWEEP = [dict(BLOCK_K=bk, num_warps=w, WAVES=waves, MIN_ITEMS=128) for bk in (32, 64) for w in (4, 8)
+         for waves in (1, 2, 4)]
 
 
 def run_point(B: int, ctx: int, frac: float, reps: int, fi_ok: bool, sweep: bool) -> dict:
@@ -124,7 +125,7 @@ def run_point(B: int, ctx: int, frac: float, reps: int, fi_ok: bool, sweep: bool
                exact_tokens_per_head=N_SINK + N_TAIL + GEN + top_k,
                exact_fraction=(N_SINK + N_TAIL + GEN + top_k) / p["T"])
     row["ours_us"] = time_graph(lambda: torch.ops.macattn.retrieval_completion(*args(top_k)), reps)
-    row["ours_launch"] = dict(rc_op.DECODE_LAUNCH)
+    row["ours_launch"] = dict(rc_op.DECODE_LAUNCH, splits=rc_op.num_splits(B * HQ, top_k + N_SINK + N_TAIL, "cuda"))
     if sweep:
         default = dict(rc_op.DECODE_LAUNCH)
         row["sweep"] = []

@@ -9,11 +9,14 @@ Per-row ranges (``N = n_prefill[b]``, ``L = seq_lens[b]``): mid ``[s0, m1)`` wit
 * ``_mid_logits``: grid ``(B·Hkv, cdiv(T, BLOCK_T))``. ``scale·q·k_t`` of the ``GROUP`` query
   heads of a KV head for one tile of keys (each key tile read once per group); ``-inf`` outside
   the row's mid. The launcher takes ``torch.topk`` of these per query head.
-* ``_decode_step``: grid ``(B, Hq)``. Online softmax over the anchors (contiguous tiles) and the
-  retrieved positions (gathered tiles; a position outside the row's mid is padding and skipped),
-  accumulating for the same retrieved tokens ``Σ w`` and ``Wᵀ V`` of the subtraction; then the
-  clamped subtraction, the completion weights ``exp(a_f + log b'_f - m)`` and one normalisation.
-  The completion term is skipped when ``top_k >= |M|`` (the step is exact, as in the reference).
+* ``_decode_partial``: grid ``(B, Hq, S)``. The anchors and then the retrieved positions form one
+  item list per query head, cut into ``S`` chunks (split-K: a request's few query heads alone
+  would leave most SMs idle). Per chunk: online softmax partials ``(m, l, acc)`` over its items
+  (gathered rows; a retrieved position outside the row's mid is padding and skipped) and, for its
+  retrieved tokens, the subtraction partials ``Σ w`` and ``Wᵀ V`` (``tl.dot``, fp32 IEEE).
+* ``_decode_merge``: grid ``(B, Hq)``. Merges the ``S`` partials, subtracts from the cache with the
+  clamp, adds the completion weights ``exp(a_f + log b'_f - m)`` and normalises once. The
+  completion term is skipped when ``top_k >= |M|`` (the step is exact, as in the reference).
 
 All accumulation is fp32. Positions index ``T`` with ``int64`` offsets.
 """
@@ -22,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["_completion_cache", "_mid_logits", "_decode_step"]
+__all__ = ["_completion_cache", "_mid_logits", "_decode_partial", "_decode_merge"]
 
 
 @triton.jit
@@ -103,18 +106,19 @@ def _mid_logits(q_ptr, k_ptr, npf_ptr, out_ptr, s_kb, s_kh, s_kt, HKV, T, D, n_s
 
 
 @triton.jit
-def _decode_step(q_ptr, k_ptr, v_ptr, sl_ptr, npf_ptr, lpq_ptr, lpk_ptr, a_ptr, b_ptr, shift_ptr, idx_ptr, out_ptr,
-                 s_kb, s_kh, s_kt, s_lb, s_lh, s_lt, HQ, HKV, D, F, K, n_sink, n_tail, top_k, scale,
-                 GROUP: tl.constexpr, D_P: tl.constexpr, F_P: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _decode_partial(q_ptr, k_ptr, v_ptr, sl_ptr, npf_ptr, lpk_ptr, shift_ptr, idx_ptr,
+                    pm_ptr, pl_ptr, pacc_ptr, psb_ptr, psa_ptr,
+                    s_kb, s_kh, s_kt, s_lb, s_lh, s_lt, HQ, HKV, D, F, K, n_sink, n_tail, top_k, scale,
+                    GROUP: tl.constexpr, D_P: tl.constexpr, F_P: tl.constexpr, BLOCK_K: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    sp = tl.program_id(2)
+    n_split = tl.num_programs(2)
     g = h // GROUP
     row = b * HQ + h
     s0, m1 = _mid_range(npf_ptr, b, n_sink, n_tail)
     L = tl.load(sl_ptr + b).to(tl.int32)
-    mid = m1 - s0
-    use_comp = tl.minimum(top_k, mid) < mid
+    use_comp = tl.minimum(top_k, m1 - s0) < m1 - s0
     dd = tl.arange(0, D_P)
     dm = dd < D
     ff = tl.arange(0, F_P)
@@ -123,38 +127,32 @@ def _decode_step(q_ptr, k_ptr, v_ptr, sl_ptr, npf_ptr, lpq_ptr, lpk_ptr, a_ptr, 
     k_base = k_ptr + b * s_kb + g * s_kh
     v_base = v_ptr + b * s_kb + g * s_kh
     lpk_base = lpk_ptr + b * s_lb + g * s_lh
+    shift = tl.load(shift_ptr + (b * HKV + g) * F + ff, mask=fm, other=0.0)
 
+    # items: the anchors [0, s0) ∪ [m1, L), then the K retrieved slots; this split takes one chunk
+    n_anchor = s0 + (L - m1)
+    n_items = n_anchor + K
+    chunk = tl.cdiv(tl.cdiv(n_items, n_split), BLOCK_K) * BLOCK_K
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, n_items)
     m_i = tl.full([1], float("-inf"), tl.float32)
     l_i = tl.zeros([1], tl.float32)
     acc = tl.zeros([D_P], tl.float32)
-    # anchors: sink [0, s0) then tail + generated [m1, L), as one loop over a virtual range
-    n_anchor = s0 + (L - m1)
-    for j0 in range(0, n_anchor, BLOCK_T):
-        jj = j0 + tl.arange(0, BLOCK_T)
-        jm = jj < n_anchor
-        tt = tl.where(jj < s0, jj, jj - s0 + m1).to(tl.int64)
-        k = tl.load(k_base + tt[:, None] * s_kt + dd[None, :], mask=jm[:, None] & dm[None, :], other=0.0)
-        v = tl.load(v_base + tt[:, None] * s_kt + dd[None, :], mask=jm[:, None] & dm[None, :], other=0.0)
-        s = tl.where(jm, tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-        m_i = m_new
-    # retrieved tokens: exact attention + what the subtraction removes from the cache
     sub_b = tl.zeros([F_P], tl.float32)
     sub_a = tl.zeros([F_P, D_P], tl.float32)
-    shift = tl.load(shift_ptr + (b * HKV + g) * F + ff, mask=fm, other=0.0)
-    for j0 in range(0, K, BLOCK_K):
+    for j0 in range(lo, hi, BLOCK_K):
         jj = j0 + tl.arange(0, BLOCK_K)
-        pos = tl.load(idx_ptr + row * K + jj, mask=jj < K, other=-1)
-        jm = (jj < K) & (pos >= s0) & (pos < m1)
-        tt = tl.where(jm, pos, 0).to(tl.int64)
-        k = tl.load(k_base + tt[:, None] * s_kt + dd[None, :], mask=jm[:, None] & dm[None, :], other=0.0)
-        v = tl.load(v_base + tt[:, None] * s_kt + dd[None, :], mask=jm[:, None] & dm[None, :],
+        inb = jj < hi
+        is_ret = inb & (jj >= n_anchor)
+        pos = tl.load(idx_ptr + row * K + (jj - n_anchor), mask=is_ret, other=-1)
+        is_ret = is_ret & (pos >= s0) & (pos < m1)          # padding picks (mid shorter than top_k) drop out
+        anchor = tl.where(jj < s0, jj, jj - s0 + m1)
+        valid = (inb & (jj < n_anchor)) | is_ret
+        tt = tl.where(is_ret, pos, tl.where(valid, anchor, 0)).to(tl.int64)
+        k = tl.load(k_base + tt[:, None] * s_kt + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
+        v = tl.load(v_base + tt[:, None] * s_kt + dd[None, :], mask=valid[:, None] & dm[None, :],
                     other=0.0).to(tl.float32)
-        s = tl.where(jm, tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
+        s = tl.where(valid, tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
@@ -163,31 +161,66 @@ def _decode_step(q_ptr, k_ptr, v_ptr, sl_ptr, npf_ptr, lpq_ptr, lpk_ptr, a_ptr, 
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m_i = m_new
         if use_comp:
-            lp = tl.load(lpk_base + tt[:, None] * s_lt + ff[None, :], mask=jm[:, None] & fm[None, :],
+            lp = tl.load(lpk_base + tt[:, None] * s_lt + ff[None, :], mask=is_ret[:, None] & fm[None, :],
                          other=float("-inf"))
-            w = tl.exp(lp - shift[None, :])                  # [BLOCK_K, F_P], 0 on padding
+            w = tl.exp(lp - shift[None, :])                  # [BLOCK_K, F_P], 0 off the retrieved tokens
             sub_b += tl.sum(w, axis=0)
             sub_a += tl.dot(tl.trans(w), v, input_precision="ieee")
+    part = row * n_split + sp
+    tl.store(pm_ptr + part + tl.arange(0, 1), m_i)
+    tl.store(pl_ptr + part + tl.arange(0, 1), l_i)
+    tl.store(pacc_ptr + part * D + dd, acc, mask=dm)
+    if use_comp:
+        tl.store(psb_ptr + part * F + ff, sub_b, mask=fm)
+        tl.store(psa_ptr + part * F * D + ff[:, None] * D + dd[None, :], sub_a, mask=fm[:, None] & dm[None, :])
 
-    num = acc
+
+@triton.jit
+def _decode_merge(npf_ptr, lpq_ptr, a_ptr, b_ptr, shift_ptr, pm_ptr, pl_ptr, pacc_ptr, psb_ptr, psa_ptr, out_ptr,
+                  HQ, HKV, D, F, n_sink, n_tail, top_k, N_SPLIT,
+                  GROUP: tl.constexpr, D_P: tl.constexpr, F_P: tl.constexpr, S_P: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    g = h // GROUP
+    row = b * HQ + h
+    s0, m1 = _mid_range(npf_ptr, b, n_sink, n_tail)
+    use_comp = tl.minimum(top_k, m1 - s0) < m1 - s0
+    dd = tl.arange(0, D_P)
+    dm = dd < D
+    ff = tl.arange(0, F_P)
+    fm = ff < F
+    ss = tl.arange(0, S_P)
+    sm = ss < N_SPLIT
+    part = row * N_SPLIT + ss
+    pm = tl.load(pm_ptr + part, mask=sm, other=float("-inf"))
+    pl = tl.load(pl_ptr + part, mask=sm, other=0.0)
+    m_e = tl.max(pm, axis=0)
+    m_es = tl.where(m_e == float("-inf"), 0.0, m_e)
+    wt = tl.exp(pm - m_es)                                   # 0 for empty splits
+    l_i = tl.sum(wt * pl, axis=0)
+    pacc = tl.load(pacc_ptr + part[:, None] * D + dd[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
+    num = tl.sum(wt[:, None] * pacc, axis=0)
     den = l_i
     if use_comp:
-        cb = tl.load(b_ptr + (b * HKV + g) * F + ff, mask=fm, other=0.0)
-        b2 = tl.maximum(cb - sub_b, 0.0)
-        live = fm & (b2 > 0)
-        ca = tl.load(a_ptr + (b * HKV + g) * F * D + ff[:, None] * D + dd[None, :], mask=fm[:, None] & dm[None, :],
+        sub_b = tl.zeros([F_P], tl.float32)
+        a2 = tl.load(a_ptr + (b * HKV + g) * F * D + ff[:, None] * D + dd[None, :], mask=fm[:, None] & dm[None, :],
                      other=0.0)
-        a2 = ca - sub_a
+        for sp in range(0, N_SPLIT):
+            pp = row * N_SPLIT + sp
+            sub_b += tl.load(psb_ptr + pp * F + ff, mask=fm, other=0.0)
+            a2 -= tl.load(psa_ptr + pp * F * D + ff[:, None] * D + dd[None, :], mask=fm[:, None] & dm[None, :],
+                          other=0.0)
+        cb = tl.load(b_ptr + (b * HKV + g) * F + ff, mask=fm, other=0.0)
+        b2 = cb - sub_b
+        live = fm & (b2 > 0)                                 # the clamp: b' <= 0 drops the feature (A' = 0)
+        shift = tl.load(shift_ptr + (b * HKV + g) * F + ff, mask=fm, other=0.0)
         lpq = tl.load(lpq_ptr + row * F + ff, mask=fm, other=0.0)
         la = tl.where(live, lpq + shift + tl.log(tl.where(live, b2, 1.0)), float("-inf"))
-        m_c = tl.max(la, axis=0)
-        m_new = tl.maximum(m_i, m_c)
+        m_new = tl.maximum(m_e, tl.max(la, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        wc = tl.exp(la - m_safe)                              # 0 where b'_f = 0
-        mean_v = a2 / tl.where(live, b2, 1.0)[:, None]
-        num = acc * alpha + tl.sum(wc[:, None] * mean_v, axis=0)
+        alpha = tl.exp(m_e - m_safe)
+        wc = tl.exp(la - m_safe)
+        num = num * alpha + tl.sum(wc[:, None] * (a2 / tl.where(live, b2, 1.0)[:, None]), axis=0)
         den = l_i * alpha + tl.sum(wc, axis=0)
-    den_s = tl.sum(den, axis=0)
-    out = tl.where(den_s > 0, num / tl.where(den_s > 0, den_s, 1.0), 0.0)
+    out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
     tl.store(out_ptr + row * D + dd, out.to(out_ptr.dtype.element_ty), mask=dm)

@@ -1,8 +1,9 @@
 """CUDA implementations of ``macattn::completion_cache`` and ``macattn::retrieval_completion``
 (registered by ``macattn.plugins.registration``); contracts in ``macattn.ops_completion``.
 
-A decode step is three launches and no host sync (CUDA-graph capturable): ``_mid_logits``,
-``torch.topk`` over them (``k = min(top_k, T)``, one row per query head), ``_decode_step``.
+A decode step is four launches and no host sync (CUDA-graph capturable): ``_mid_logits``,
+``torch.topk`` over them (``k = min(top_k, T)``, one row per query head), ``_decode_partial``
+(split-K over anchors + retrieved tokens) and ``_decode_merge``.
 Values of ``seq_lens`` / ``n_prefill`` are not range-checked here (that would sync).
 """
 from __future__ import annotations
@@ -13,16 +14,23 @@ import triton
 from macattn.ops_completion import (check_completion_cache_inputs, check_retrieval_completion_inputs,
                                     resolve_scale)
 
-from .._triton_util import interpreting
-from .kernel import _completion_cache, _decode_step, _mid_logits
+from .._triton_util import interpreting, num_sms
+from .kernel import _completion_cache, _decode_merge, _decode_partial, _mid_logits
 
 __all__ = ["completion_cache_triton", "retrieval_completion_triton", "mid_topk_triton"]
 
 _alloc = torch.empty   # the tests swap in a NaN-filling allocator to check every output element is written
 
-# launch parameters of ``_decode_step`` (benchmarks/bench_completion_decode.py --sweep times alternatives):
-# one program per (request, query head) gathers BLOCK_K retrieved rows per iteration
-DECODE_LAUNCH = dict(BLOCK_T=32, BLOCK_K=32, num_warps=8)
+# launch parameters of ``_decode_partial`` (benchmarks/bench_completion_decode.py --sweep times alternatives):
+# each program gathers BLOCK_K rows per iteration; splits per (request, query head) are chosen so the
+# grid covers about WAVES x the SMs, with at least MIN_ITEMS items per split
+DECODE_LAUNCH = dict(BLOCK_K=32, num_warps=8, WAVES=2, MIN_ITEMS=128)
+
+
+def num_splits(rows: int, items: int, device) -> int:
+    """Splits per query head for ``rows = B·Hq`` heads of about ``items`` anchors + retrieved tokens."""
+    want = -(-DECODE_LAUNCH["WAVES"] * num_sms(device) // max(rows, 1))
+    return max(1, min(want, items // DECODE_LAUNCH["MIN_ITEMS"], 64))
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -92,7 +100,19 @@ def retrieval_completion_triton(q, k_cache, v_cache, seq_lens, n_prefill, log_ph
     q, lpq, comp_A, comp_b, comp_shift = (t.contiguous() for t in (q, log_phi_q, comp_A, comp_b, comp_shift))
     seq_lens, n_prefill = seq_lens.contiguous(), n_prefill.contiguous()
     idx = mid_topk_triton(q, k, n_prefill, n_sink, n_tail, top_k, scale)
-    _decode_step[(B, Hq)](q, k, v, seq_lens, n_prefill, lpq, lpk, comp_A, comp_b, comp_shift, idx, out,
-                          *k.stride()[:3], *lpk.stride()[:3], Hq, Hkv, d, F, idx.shape[2], int(n_sink), int(n_tail),
-                          int(top_k), scale, GROUP=group, D_P=_pow2(d), F_P=_pow2(F), **DECODE_LAUNCH)
+    K = idx.shape[2]
+    n_split = num_splits(B * Hq, K + n_sink + n_tail, dev)
+    f32 = dict(dtype=torch.float32, device=dev)
+    pm, pl = _alloc(B, Hq, n_split, **f32), _alloc(B, Hq, n_split, **f32)
+    pacc = _alloc(B, Hq, n_split, d, **f32)
+    # written only for rows that use the completion (the merge reads them only there)
+    psb, psa = _alloc(B, Hq, n_split, F, **f32), _alloc(B, Hq, n_split, F, d, **f32)
+    launch = {name: val for name, val in DECODE_LAUNCH.items() if name in ("BLOCK_K", "num_warps")}
+    _decode_partial[(B, Hq, n_split)](q, k, v, seq_lens, n_prefill, lpk, comp_shift, idx, pm, pl, pacc, psb, psa,
+                                      *k.stride()[:3], *lpk.stride()[:3], Hq, Hkv, d, F, K, int(n_sink),
+                                      int(n_tail), int(top_k), scale, GROUP=group, D_P=_pow2(d), F_P=_pow2(F),
+                                      **launch)
+    _decode_merge[(B, Hq)](n_prefill, lpq, comp_A, comp_b, comp_shift, pm, pl, pacc, psb, psa, out, Hq, Hkv, d, F,
+                           int(n_sink), int(n_tail), int(top_k), n_split, GROUP=group, D_P=_pow2(d), F_P=_pow2(F),
+                           S_P=_pow2(n_split, 2), num_warps=4)
     return out

@@ -137,9 +137,10 @@ def test_completion_cache_matches_reference(case, dtype):
     a, b, c = _cache(t["lpk"].to(DEVICE), t["v"].to(DEVICE), t["npf"].to(DEVICE),
                                                  t["n_sink"], t["n_tail"])
     ra, rb, rc = build_completion_cache_batched(t["lpk"], t["v"], t["npf"], n_sink=t["n_sink"], n_tail=t["n_tail"])
+    tol = 2e-6 if case[4] <= 10_000 else 1e-5     # fp32 sums over up to 32K tokens
     for got, want in ((a, ra), (b, rb), (c, rc)):
         assert not got.isnan().any()
-        assert _rel(got.cpu(), want) < 2e-6
+        assert _rel(got.cpu(), want) < tol
     torch.testing.assert_close(c.cpu(), rc, rtol=0, atol=0)      # the shift is an exact max
     empty = [i for i, (n, _) in enumerate(case[7]) if n <= case[5] + case[6]]
     for i in empty:
@@ -176,8 +177,14 @@ def test_mid_topk_is_a_topk(case, dtype, top_k):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"H{c[0]}x{c[1]}-T{c[4]}" if isinstance(c, tuple) else None)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("top_k", TOP_KS)
-def test_step_matches_reference(case, dtype, top_k):
+@pytest.mark.parametrize("splits", ["auto", "many"])
+def test_step_matches_reference(case, dtype, top_k, splits, monkeypatch):
+    """``many``: split-K down to 4 items per split (empty trailing splits included)."""
+    from macattn.plugins.retrieval_completion import op
     from macattn.plugins.retrieval_completion.op import mid_topk_triton
+
+    if splits == "many":
+        monkeypatch.setattr(op, "DECODE_LAUNCH", dict(BLOCK_K=16, num_warps=4, WAVES=4096, MIN_ITEMS=4))
 
     t = _case(case, dtype, seed=top_k % 89 + 5)
     Hq, Hkv, d = case[0], case[1], case[2]
@@ -193,6 +200,8 @@ def test_step_matches_reference(case, dtype, top_k):
                              top_k=top_k, selector=sel, completion=(t["lpq"], t["lpk"], *comp))
     assert not sel.calls
     tol = 2e-5 if dtype == torch.float32 else 8e-3
+    if splits == "many":
+        assert op.num_splits(out.shape[0] * Hq, 4 * 64, DEVICE) == 64
     for i in range(len(case[7])):
         assert _rel(out[i].cpu(), ref[i]) < tol, (i, case[7][i])
 
