@@ -5,7 +5,8 @@ One attention layer's decode step, LLaMA-3.1-8B shapes (32 query heads, 8 KV hea
 
   ours          ``macattn::retrieval_completion`` (Triton mid logits -> torch.topk -> split-K exact +
                 subtraction partials -> merge with the completion), Top-k = ``--frac`` of the mid region
-  ours_logits   the first two launches alone (exhaustive mid logits + Top-k): the selection cost
+  ours_logits   the first two launches alone (exhaustive mid logits + Top-k): the selection cost;
+                ``of_which_topk`` is ``torch.topk`` alone on logits of that shape
   flashinfer    BatchDecodeWithPagedKVCacheWrapper (NHD, page 16, tensor cores), planned once
   sdpa          F.scaled_dot_product_attention(enable_gqa=True) over the contiguous cache
 
@@ -136,6 +137,9 @@ def run_point(B: int, ctx: int, frac: float, reps: int, fi_ok: bool, sweep: bool
         rc_op.DECODE_LAUNCH = default
     row["ours_logits_topk_us"] = time_graph(
         lambda: mid_topk_triton(p["q"], p["k"], p["npf"], N_SINK, N_TAIL, top_k, D ** -0.5), reps)
+    logits = torch.randn(B, HQ, p["T"], device=p["q"].device)
+    row["of_which_topk_us"] = time_graph(lambda: torch.topk(logits, top_k, dim=-1, sorted=False), reps)
+    del logits
     q4 = p["q"].unsqueeze(2)
     row["sdpa_us"] = time_graph(lambda: F.scaled_dot_product_attention(q4, p["k"], p["v"], enable_gqa=True), reps)
     exact = torch.ops.macattn.retrieval_completion(*args(mid))      # top_k covers the mid: exact attention
