@@ -1,7 +1,7 @@
 """The retrieval-completion Triton kernels on the CPU: ``test_retrieval_completion_gpu.py`` re-run in a
 subprocess through Triton's interpreter (``MACATTN_TRITON_INTERPRET=1``), so CI checks the kernels'
 logic against the fp64 reference too; the H100 runs the compiled kernels
-(``benchmarks/results/junit_gpu_completion_h100.xml``)."""
+(``benchmarks/results/junit_gpu_h100.xml``)."""
 from __future__ import annotations
 
 import os
