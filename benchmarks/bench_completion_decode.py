@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
 from pathlib import Path
 
@@ -37,35 +36,11 @@ from macattn.completion import retrieval_completion_step
 from macattn.plugins.retrieval_completion import op as rc_op
 from macattn.plugins.retrieval_completion.op import mid_topk_triton
 
+from cuda_timing import time_graph
+
 HQ, HKV, D, FEAT, PAGE = 32, 8, 128, 64, 16
 N_SINK, N_TAIL, GEN = 16, 64, 8
 DT = torch.bfloat16
-
-
-def time_graph(fn, reps: int, warmup: int = 3) -> float:
-    """Capture ``fn`` in a CUDA graph; median µs per replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(warmup):
-        g.replay()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        starts[i].record()
-        g.replay()
-        ends[i].record()
-    torch.cuda.synchronize()
-    del g
-    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in zip(starts, ends))
 
 
 def rel(a, b) -> float:
@@ -114,6 +89,12 @@ SWEEP = [dict(BLOCK_K=bk, num_warps=w, WAVES=waves, MIN_ITEMS=128) for bk in (32
          for waves in (1, 2, 4)]
 
 
+def time_topk(B: int, T: int, k: int, reps: int) -> float:
+    """``torch.topk`` alone on ``[B, Hq, T]`` fp32 logits, as the op calls it."""
+    logits = torch.randn(B, HQ, T, device="cuda")
+    return time_graph(lambda: torch.topk(logits, k, dim=-1, sorted=False), reps)
+
+
 def run_point(B: int, ctx: int, frac: float, reps: int, fi_ok: bool, sweep: bool) -> dict:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(B * 1_000_003 + ctx)
@@ -137,9 +118,7 @@ def run_point(B: int, ctx: int, frac: float, reps: int, fi_ok: bool, sweep: bool
         rc_op.DECODE_LAUNCH = default
     row["ours_logits_topk_us"] = time_graph(
         lambda: mid_topk_triton(p["q"], p["k"], p["npf"], N_SINK, N_TAIL, top_k, D ** -0.5), reps)
-    logits = torch.randn(B, HQ, p["T"], device=p["q"].device)
-    row["of_which_topk_us"] = time_graph(lambda: torch.topk(logits, top_k, dim=-1, sorted=False), reps)
-    del logits
+    row["of_which_topk_us"] = time_topk(B, p["T"], top_k, reps)
     q4 = p["q"].unsqueeze(2)
     row["sdpa_us"] = time_graph(lambda: F.scaled_dot_product_attention(q4, p["k"], p["v"], enable_gqa=True), reps)
     exact = torch.ops.macattn.retrieval_completion(*args(mid))      # top_k covers the mid: exact attention
@@ -163,8 +142,6 @@ def run_point(B: int, ctx: int, frac: float, reps: int, fi_ok: bool, sweep: bool
         row["check_ours_vs_fp64_reference_rel_row0"] = rel(out[:1], ref)
     peer = row.get("flashinfer_us", row["sdpa_us"])
     row["speedup_vs_flashinfer" if "flashinfer_us" in row else "speedup_vs_sdpa"] = peer / row["ours_us"]
-    del p
-    torch.cuda.empty_cache()
     return row
 
 
@@ -199,6 +176,7 @@ def main() -> None:
     for B in [int(b) for b in args.batches.split(",")]:
         for ctx in [int(c) for c in args.contexts.split(",")]:
             r = run_point(B, ctx, args.frac, args.reps, fi_ok=not args.no_flashinfer, sweep=args.sweep)
+            torch.cuda.empty_cache()
             rows.append(r)
             print(f"{B:>2} {ctx:>7} {r['top_k']:>6} {r['ours_us']:>9.1f} {r['ours_logits_topk_us']:>8.1f} "
                   f"{r.get('flashinfer_us', float('nan')):>8.1f} {r['sdpa_us']:>8.1f} "

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
 from pathlib import Path
 
@@ -32,35 +31,10 @@ import macattn.plugins  # noqa: F401  (registers the Triton kernel as the op's C
 from macattn.mka import route_fused_decode_reference, router_reference
 from macattn import ops_mka  # noqa: F401
 
+from cuda_timing import time_graph
+
 HIDDEN, HQ, HKV, HD, FFN, R = 4096, 32, 8, 128, 14336, 64
 DT = torch.bfloat16
-
-
-def time_graph(fn, reps: int = 50, warmup: int = 3) -> float:
-    """Capture ``fn`` in a CUDA graph; median µs per replay over ``reps`` replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(warmup):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    del g
-    return statistics.median(times)
 
 
 def make_layer(gen_seed: int, dev) -> dict:

@@ -84,7 +84,7 @@ def retrieval_completion_triton(q, k_cache, v_cache, seq_lens, n_prefill, log_ph
     check_retrieval_completion_inputs(q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A,
                                       comp_b, comp_shift, n_sink, n_tail, top_k, scale)
     B, Hq, d = q.shape
-    Hkv, T = k_cache.shape[1], k_cache.shape[2]
+    Hkv = k_cache.shape[1]
     F = log_phi_q.shape[2]
     group = Hq // Hkv
     scale = resolve_scale(scale, d)

@@ -21,24 +21,10 @@ import os
 import pytest
 import torch
 
-INTERPRET = os.environ.get("MACATTN_TRITON_INTERPRET", "0") == "1"
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-try:
-    import triton  # noqa: F401
-    HAVE_TRITON = True
-except ImportError:
-    HAVE_TRITON = False
-
+from triton_env import DEVICE, GPU_MARKS, INTERPRET  # noqa: E402  (first: sets the interpreter switch)
 from macattn.mac import full_attention_reference  # noqa: E402
 
-DEVICE = "cpu" if INTERPRET else "cuda"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed"),
-    pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = GPU_MARKS
 
 from mac_problem import (BF16, REL_TOL, Problem, _all, _check_match, _check_step,  # noqa: E402,F401
                          _mixed_kinds, _rel)

@@ -15,29 +15,14 @@ kernel's selection.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-INTERPRET = os.environ.get("MACATTN_TRITON_INTERPRET", "0") == "1"
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-try:
-    import triton  # noqa: F401
-    HAVE_TRITON = True
-except ImportError:
-    HAVE_TRITON = False
-
+from triton_env import DEVICE, GPU_MARKS, INTERPRET  # noqa: E402  (first: sets the interpreter switch)
 from macattn.completion import build_completion_cache_batched, hybrid_decode_step, partition  # noqa: E402
 
-DEVICE = "cpu" if INTERPRET else "cuda"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed"),
-    pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = GPU_MARKS
 
 # (Hq, Hkv, d, F, T, n_sink, n_tail, rows [(n_prefill, seq_len)])
 CASES = [

@@ -7,29 +7,13 @@ state rows of other slots must stay untouched.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-INTERPRET = os.environ.get("MACATTN_TRITON_INTERPRET", "0") == "1"
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-try:
-    import triton  # noqa: F401
-    HAVE_TRITON = True
-except ImportError:
-    HAVE_TRITON = False
-
+from triton_env import DEVICE, GPU_MARKS, INTERPRET  # noqa: E402  (first: sets the interpreter switch)
 from macattn.mka import route_fused_decode_reference  # noqa: E402
 
-DEVICE = "cpu" if INTERPRET else "cuda"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed"),
-    pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = GPU_MARKS
 
 # (B, D, Dq, R, Nk, S); interpreter shapes stay tiny
 SHAPES = [(1, 32, 32, 8, 16, 2), (3, 48, 64, 5, 24, 5), (2, 96, 96, 16, 40, 4), (9, 32, 16, 4, 12, 11)]
