@@ -1,4 +1,4 @@
-"""Retrieval-completion as a runtime attention mode (CPU reference path), with slot state and budget.
+"""Retrieval-completion as a runtime attention mode on the model's device, with slot state and budget.
 
 ``CompletionDecoder`` patches a LLaMA / Qwen2 / Mistral ``*ForCausalLM`` in place with an
 attention function registered with transformers' ``AttentionInterface`` as
@@ -7,12 +7,11 @@ attention function registered with transformers' ``AttentionInterface`` as
 
 * prefill (one request, ``N`` tokens): exact causal attention; the request's post-RoPE K/V and
   ``log φ_k`` of its keys are written to its slot and the stable completion cache of its mid
-  region is built (``macattn.completion.build_completion_cache``);
+  region is built (``macattn::completion_cache``; ``build_completion_cache`` when the op is not used);
 * decode (a batch of requests of different lengths, one token each): the token's K/V are
   appended to the slot rows and attention is ``macattn::retrieval_completion`` (on CUDA the Triton
   kernels of ``macattn.plugins.retrieval_completion``, on the CPU the fp64 reference; with
-  ``selector="pages"`` always the reference with ``PageSummaryTopK``). The prefill-time cache is
-  ``macattn::completion_cache`` likewise.
+  ``selector="pages"`` always the reference with ``PageSummaryTopK``).
 
 The model runs with ``use_cache=False``: the slot rows are the KV cache. A slot is reset when a
 request is admitted and when it is released. ``budget_report`` gives the KV reads per decode step

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from .completion import build_completion_cache_batched, retrieval_completion_step
+from .completion import _check_int, build_completion_cache_batched, retrieval_completion_step
 
 __all__ = ["retrieval_completion", "completion_cache", "check_retrieval_completion_inputs",
            "check_completion_cache_inputs", "resolve_scale", "KERNEL_FLOATS", "REFERENCE_FLOATS"]
@@ -29,11 +29,6 @@ __all__ = ["retrieval_completion", "completion_cache", "check_retrieval_completi
 KERNEL_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 REFERENCE_FLOATS = KERNEL_FLOATS + (torch.float64,)
 _INTS = (torch.int32, torch.int64)
-
-
-def _check_attr(name: str, val, lo: int = 0) -> None:
-    if isinstance(val, bool) or not isinstance(val, int) or val < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {val!r}")
 
 
 def _check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
@@ -65,8 +60,8 @@ def check_completion_cache_inputs(log_phi_k, v_cache, n_prefill, n_sink, n_tail,
         raise TypeError(f"v_cache must be {_names(floats)}, got {v_cache.dtype}")
     if n_prefill.dtype not in _INTS:
         raise TypeError(f"n_prefill must be int32/int64, got {n_prefill.dtype}")
-    _check_attr("n_sink", n_sink)
-    _check_attr("n_tail", n_tail)
+    _check_int("n_sink", n_sink, 0)
+    _check_int("n_tail", n_tail, 0)
 
 
 def check_retrieval_completion_inputs(q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A, comp_b,
@@ -100,9 +95,9 @@ def check_retrieval_completion_inputs(q, k_cache, v_cache, seq_lens, n_prefill, 
     for name, t in (("seq_lens", seq_lens), ("n_prefill", n_prefill)):
         if t.dtype not in _INTS:
             raise TypeError(f"{name} must be int32/int64, got {t.dtype}")
-    _check_attr("n_sink", n_sink)
-    _check_attr("n_tail", n_tail)
-    _check_attr("top_k", top_k)
+    _check_int("n_sink", n_sink, 0)
+    _check_int("n_tail", n_tail, 0)
+    _check_int("top_k", top_k, 0)
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float (<= 0 for 1/sqrt(d)), got {scale!r}")
 

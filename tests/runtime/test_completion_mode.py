@@ -6,7 +6,7 @@ import torch
 
 from macattn.completion import CompletionConfig, token_equivalents
 from macattn.distill_completion import maps_for_model
-from macattn.runtime.completion_mode import CompletionDecoder
+from macattn.runtime.completion_mode import CompletionDecoder, completion_op
 from macattn.runtime.completion_state import CompletionState
 
 from _tiny import prompts, tiny_model
@@ -128,5 +128,5 @@ def test_through_the_ops_equals_the_reference_functions():
     ps = prompts(3, seed=11, lo=30, hi=60)
     ref = _decoder(slots=2)
     via_ops = _decoder(slots=2)
-    via_ops.op = __import__("macattn.runtime.completion_mode", fromlist=["completion_op"]).completion_op()
+    via_ops.op = completion_op()
     assert ref.generate(ps, max_new_tokens=5) == via_ops.generate(ps, max_new_tokens=5)
