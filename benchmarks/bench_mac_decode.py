@@ -43,6 +43,8 @@ except ImportError:  # pragma: no cover
     def tqdm(it=None, **kw):
         return it
 
+from cuda_timing import replay_us
+
 HQ, HKV, D = 32, 8, 128
 WINDOW, BAND, TAU = 1024, 256, 0.45
 GAP_LO, GAP_HI = 380, 420
@@ -58,29 +60,7 @@ GIB = 2 ** 30
 # ---------------------------------------------------------------------------------------------
 def time_graph(step_fns, reps: int, warmup: int = 3) -> dict:
     """Capture ``step_fns`` (one per input set) into one graph; time replays. Per-step median in µs."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in step_fns:           # compile / JIT / autotune outside capture
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in step_fns:
-            fn()
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        starts[i].record()
-        graph.replay()
-        ends[i].record()
-    torch.cuda.synchronize()
-    per = [s.elapsed_time(e) * 1e3 / len(step_fns) for s, e in zip(starts, ends)]
-    del graph
+    per = [t / len(step_fns) for t in replay_us(step_fns, reps, warmup)]
     return {"median_us": statistics.median(per), "min_us": min(per), "max_us": max(per), "reps": reps,
             "sets_per_replay": len(step_fns)}
 

@@ -6,30 +6,41 @@ import statistics
 
 import torch
 
-__all__ = ["time_graph"]
+__all__ = ["replay_us", "time_graph"]
 
 
-def time_graph(fn, reps: int, warmup: int = 3) -> float:
-    """Capture ``fn`` in a CUDA graph; median µs per replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
+def replay_us(fns, reps: int, warmup: int = 3, eager: int = 1) -> list[float]:
+    """Capture every callable of ``fns`` into one CUDA graph and time ``reps`` replays (CUDA events).
+
+    Each callable first runs ``eager`` times on a side stream (compile / JIT / autotune outside the
+    capture), the graph replays ``warmup`` times untimed. Returns µs per replay.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(eager):
+            for fn in fns:
+                fn()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
     for _ in range(warmup):
-        g.replay()
+        graph.replay()
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
         starts[i].record()
-        g.replay()
+        graph.replay()
         ends[i].record()
     torch.cuda.synchronize()
-    del g
-    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in zip(starts, ends))
+    del graph
+    return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+
+
+def time_graph(fn, reps: int, warmup: int = 3) -> float:
+    """Median µs per replay of ``fn`` captured alone (``warmup`` eager calls and untimed replays)."""
+    return statistics.median(replay_us([fn], reps, warmup, eager=warmup))
