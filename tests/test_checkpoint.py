@@ -76,6 +76,31 @@ def test_training_script_runs_end_to_end_and_loads(tmp_path):
         load_builtin_checkpoint(out)
 
 
+def test_training_stops_resumes_and_snapshots(tmp_path):
+    """--stop-after saves resume state and no checkpoint; --resume continues the step count, writes the
+    snapshots still due and the final checkpoint, and removes the resume state."""
+    from macattn.evaluation import tasks
+
+    T = _train_module()
+    (tmp_path / "data").mkdir()
+    data = _tiny_data(tmp_path / "data", tasks)
+    out = tmp_path / "ckpt"
+    args = ["--data", str(data), "--out", str(out), "--time-budget", "4", "--phases", "1:400x2", "--eval-len", "400",
+            "--eval-n", "1", "--device", "cpu", "--model", json.dumps(TINY), "--snapshots", "0.05,0.9"]
+    assert T.main(args + ["--stop-after", "1"]) == {}
+    state = torch.load(out / "resume.pt", weights_only=False)
+    assert state["step"] > 0 and 1.0 <= state["elapsed"] < 4.0
+    assert not (out / "config.json").exists()
+    assert [p.name for p in (out / "snapshots").iterdir()] == ["f005"]
+    res = T.main(args + ["--resume"])
+    assert res["steps"] > state["step"] and res["loss_curve"][0]["step"] == 1
+    assert sorted(p.name for p in (out / "snapshots").iterdir()) == ["f005", "f090"]
+    assert json.loads((out / "snapshots" / "f090" / "train_log.json").read_text())["step"] > state["step"]
+    assert (out / "config.json").exists() and not (out / "resume.pt").exists()
+    with pytest.raises(ValueError, match="--snapshots"):
+        T.main(args + ["--snapshots", "1.5"])
+
+
 def test_loader_error_says_how_to_train(tmp_path):
     from macattn.checkpoint import load_builtin_checkpoint
 

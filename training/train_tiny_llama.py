@@ -16,6 +16,7 @@ ends with a saved checkpoint.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import json
 import math
@@ -83,8 +84,9 @@ def save_checkpoint(model, out: Path, tokenizer_json: Path | None) -> None:
     """Write config.json, model-*.safetensors shards + index (bf16, HF names), generation_config.json,
     tokenizer.json."""
     out.mkdir(parents=True, exist_ok=True)
-    # shards of <= 12 MB: the device machine returns files of at most 16 MiB
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True, max_shard_size="12MB")
+    # shards of <= 12 MB: the device machine returns files of at most 16 MiB; a bf16 copy, so a snapshot
+    # taken mid-training leaves the fp32 master weights alone
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(out, safe_serialization=True, max_shard_size="12MB")
     if tokenizer_json is not None and tokenizer_json.exists():
         (out / "tokenizer.json").write_bytes(tokenizer_json.read_bytes())
 
@@ -196,7 +198,16 @@ def main(argv=None) -> dict:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (costs compile time)")
     p.add_argument("--model", default="{}", help="JSON overrides of ModelConfig fields (tests use tiny sizes)")
+    p.add_argument("--snapshots", default="", help="fractions of the budget (e.g. 0.25,0.5) at which a checkpoint "
+                                                   "is also written to OUT/snapshots/fNNN (recurrence over training)")
+    p.add_argument("--stop-after", type=float, default=0.0,
+                   help="seconds after which to save OUT/resume.pt and exit (0: never); a later run with "
+                        "--resume continues the same schedule (for machines that cap one command's time)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/resume.pt")
     a = p.parse_args(argv)
+    snapshots = sorted(float(x) for x in a.snapshots.split(",") if x.strip())
+    if any(not 0.0 < f < 1.0 for f in snapshots):
+        raise ValueError(f"--snapshots must be fractions in (0, 1), got {a.snapshots!r}")
 
     t0 = time.time()
     torch.manual_seed(a.seed)
@@ -231,11 +242,36 @@ def main(argv=None) -> dict:
     except ImportError:  # progress bar is optional
         bar = None
     log, step, tokens, start, last_tick = [], 0, 0, time.time(), 0
+    resume_path = out / "resume.pt"
+    if a.resume:
+        st = torch.load(resume_path, map_location=device, weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        batcher.rng.setstate(st["batcher_rng"])
+        torch.set_rng_state(st["torch_rng"].cpu())
+        log, step, tokens = st["log"], st["step"], st["tokens"]
+        start = time.time() - st["elapsed"]
+        last_tick = int(st["elapsed"])
+        snapshots = [f for f in snapshots if f > st["elapsed"] / a.time_budget]
+        if bar is not None:
+            bar.update(last_tick)
     while True:
         elapsed = time.time() - start
         frac = elapsed / a.time_budget
         if frac >= 1.0 or (a.max_steps and step >= a.max_steps):
             break
+        if a.stop_after and elapsed >= a.stop_after:
+            out.mkdir(parents=True, exist_ok=True)
+            torch.save(dict(model=model.state_dict(), opt=opt.state_dict(), batcher_rng=batcher.rng.getstate(),
+                            torch_rng=torch.get_rng_state(), log=log, step=step, tokens=tokens, elapsed=elapsed),
+                       resume_path)
+            print(f"stopped after {elapsed:.0f} s at step {step}; continue with --resume")
+            return {}
+        if snapshots and frac >= snapshots[0]:
+            snap = out / "snapshots" / f"f{round(snapshots.pop(0) * 100):03d}"
+            save_checkpoint(model, snap, data_dir / "tokenizer.json")
+            (snap / "train_log.json").write_text(json.dumps(dict(step=step, tokens_seen=tokens,
+                                                                 seconds=round(elapsed, 1), config=cfg.hf_dict())))
         _, t, b = next(ph for ph in phases if frac < ph[0])
         lr = a.lr * min(1.0, (step + 1) / a.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
@@ -267,6 +303,7 @@ def main(argv=None) -> dict:
     val_loss = heldout_loss(model, val, 1024, 16, device, dtype)
     acc = answer_accuracy(model, tasks, lexicon, val, cfg.bos_token_id, a.eval_len, a.eval_n, device, dtype)
     save_checkpoint(model, out, data_dir / "tokenizer.json")
+    resume_path.unlink(missing_ok=True)
     result = dict(
         config=cfg.hf_dict(), n_params=n_params, steps=step, tokens_seen=tokens, train_seconds=round(train_s, 1),
         tokens_per_second=round(tokens / max(train_s, 1e-9)), total_seconds=round(time.time() - t0, 1),

@@ -1,8 +1,8 @@
 """The built-in trained checkpoint: a small LLaMA trained by ``training/train_tiny_llama.py``.
 
 It lives in ``macattn/data/tiny_llama/`` (config.json, bf16 safetensors shards + index,
-tokenizer.json, train_log.json) and loads with plain ``transformers``. Sources of its training text:
-``training/DATA.md``.
+tokenizer.json, train_log.json, heldout.txt) and loads with plain ``transformers``. Sources of its training
+text: ``training/DATA.md``; licenses of the held-out text it ships: ``NOTICE.txt`` beside it.
 """
 from __future__ import annotations
 

@@ -78,7 +78,8 @@ def _cmd_build(args) -> int:
 
 
 # modules whose register(sub) adds their own subcommands (training and evaluation tools)
-COMMAND_MODULES = ("macattn.finetune_mka", "macattn.distill_completion", "macattn.evaluation.harness", "macattn.tune")
+COMMAND_MODULES = ("macattn.finetune_mka", "macattn.distill_completion", "macattn.evaluation.harness",
+                   "macattn.evaluation.recurrence", "macattn.tune")
 
 
 def build_parser() -> argparse.ArgumentParser:
