@@ -280,19 +280,23 @@ def prefill_question(model, result: FusionResult) -> torch.Tensor:
 
 @torch.inference_mode()
 def fused_generate(model, prompt: RagPrompt, config: A3Config, *, max_new_tokens: int = 1,
-                   chunk_kv=None) -> tuple[list[int], FusionResult]:
+                   chunk_kv=None, forced: list[int] | None = None) -> tuple[list[int], FusionResult]:
     """Greedy decoding after a fused prefill (reference path for tests and the CPU evaluation).
+    With ``forced`` (>= ``max_new_tokens - 1`` ids) the token fed after step ``i`` is ``forced[i]``
+    (teacher forcing) while the returned tokens stay the model's own argmax.
     Returns ``(tokens [max_new_tokens], result)``."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if forced is not None and len(forced) < max_new_tokens - 1:
+        raise ValueError(f"forced must hold >= max_new_tokens - 1 = {max_new_tokens - 1} ids, got {len(forced)}")
     result = fuse_prefix(model, prompt, config, chunk_kv=chunk_kv, extra_capacity=max_new_tokens)
     logits = prefill_question(model, result)
     tokens = [int(logits.argmax())]
     pos = prompt.num_prefix + prompt.question.numel()
     with plain_attention(model):
-        for _ in range(max_new_tokens - 1):
-            logits = _forward(model, result.cache, torch.tensor([tokens[-1]]), torch.tensor([pos]), pos + 1,
-                              logits=True)
+        for i in range(max_new_tokens - 1):
+            nxt = forced[i] if forced is not None else tokens[-1]
+            logits = _forward(model, result.cache, torch.tensor([nxt]), torch.tensor([pos]), pos + 1, logits=True)
             tokens.append(int(logits.argmax()))
             pos += 1
     result.cache.write_pos = None

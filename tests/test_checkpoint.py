@@ -87,6 +87,8 @@ def test_training_stops_resumes_and_snapshots(tmp_path):
     out = tmp_path / "ckpt"
     args = ["--data", str(data), "--out", str(out), "--time-budget", "4", "--phases", "1:400x2", "--eval-len", "400",
             "--eval-n", "1", "--device", "cpu", "--model", json.dumps(TINY), "--snapshots", "0.05,0.9"]
+    with pytest.raises(FileNotFoundError, match="--resume"):
+        T.main(args + ["--resume"])
     assert T.main(args + ["--stop-after", "1"]) == {}
     state = torch.load(out / "resume.pt", weights_only=False)
     assert state["step"] > 0 and 1.0 <= state["elapsed"] < 4.0

@@ -10,7 +10,8 @@ import torch
 from macattn.config import MacConfig
 from macattn.evaluation import tasks as T
 from macattn.evaluation.harness import EvalSettings, byte_encoder, register, run_eval
-from macattn.evaluation.methods import Mac, RetrievalCompletion
+from macattn.a3 import A3Config
+from macattn.evaluation.methods import A3Fusion, Mac, RetrievalCompletion
 from macattn.mac_completion import MissCompletionConfig
 
 ENC = byte_encoder(2048)
@@ -117,6 +118,34 @@ def test_run_eval_metrics(model):
     json.dumps(res)
 
 
+def test_a3_in_the_harness(model):
+    """A3 with every document token recomputed is full recompute: identical greedy tokens; it has no
+    per-layer decode statistics."""
+    settings = EvalSettings(lengths=(256,), tasks=("niah_single", "vt"), n=1, gen=4, seed=0)
+    exact = A3Fusion(A3Config(rho=1.0, method="a3"), chunk_tokens=64, question_tokens=16)
+    reuse = A3Fusion(A3Config(method="full_reuse"), chunk_tokens=64, question_tokens=16)
+    assert exact.name == "a3(rho=1.0,chunk=64)" and reuse.name == "full_reuse(chunk=64)"
+    res = run_eval(model, [exact, reuse], settings, encode=ENC, haystack_ids=HAY, progress=False)
+    e = res["methods"][exact.name]
+    assert e["greedy_agreement"] == 1.0 and e["accuracy"] == res["methods"]["full"]["accuracy"]
+    assert e["decode_steps"] >= 2 * 4 and "hit_rate" not in e and "rel_error_mean" not in e
+    assert 0.0 <= res["methods"][reuse.name]["greedy_agreement"] <= 1.0
+
+
+def test_a3_prompt_split():
+    m = A3Fusion(A3Config(rho=0.5, method="a3"), chunk_tokens=5, question_tokens=3)
+    ids = torch.arange(20).unsqueeze(0)
+    rp = m.rag_prompt(ids)
+    assert rp.system.tolist() == [0] and rp.question.tolist() == [17, 18, 19]
+    assert [c.numel() for c in rp.chunks] == [5, 5, 5, 1] and torch.equal(rp.tokens(), ids[0])
+    with pytest.raises(ValueError, match="too short"):
+        m.rag_prompt(torch.arange(4).unsqueeze(0))
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        A3Fusion(A3Config(), chunk_tokens=0)
+    with pytest.raises(TypeError, match="A3Config"):
+        A3Fusion("a3")
+
+
 def test_duplicate_method_names_are_rejected(model):
     with pytest.raises(ValueError, match="distinct"):
         run_eval(model, [Mac(MacConfig(), name="a"), Mac(MacConfig(), name="a")], EvalSettings(lengths=(300,)),
@@ -133,10 +162,12 @@ def test_cli_writes_json_and_pngs(tmp_path, model, monkeypatch):
     out = tmp_path / "eval_tiny.json"
     a = p.parse_args(["eval", "--model", "random", "--lengths", "256", "--tasks", "niah_single", "--n", "1",
                       "--gen", "3", "--taus", "0.0", "--window", "64", "--band", "16", "--bands", "0,16",
-                      "--no-completion", "--out", str(out)])
+                      "--no-completion", "--a3-rhos", "0.5", "--a3-chunk", "64", "--a3-question", "16",
+                      "--out", str(out)])
     assert a.func(a) == 0
     res = json.loads(out.read_text())
-    assert set(res["methods"]) == {"full", "mac(tau=0.0,K=64,r=16)"} and res["haystack"] == "test haystack"
+    assert set(res["methods"]) == {"full", "mac(tau=0.0,K=64,r=16)", "a3(rho=0.5,chunk=64)"}
+    assert res["haystack"] == "test haystack"
     assert [r["band"] for r in res["band_sweep"]["rows"]] == [0, 16]
     for name in ("per_layer", "error_vs_band", "error_vs_gap"):
         assert (tmp_path / f"eval_tiny_{name}.png").stat().st_size > 1000

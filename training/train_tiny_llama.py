@@ -244,7 +244,11 @@ def main(argv=None) -> dict:
     log, step, tokens, start, last_tick = [], 0, 0, time.time(), 0
     resume_path = out / "resume.pt"
     if a.resume:
+        if not resume_path.is_file():
+            raise FileNotFoundError(f"--resume: no {resume_path} (written by a run with --stop-after)")
         st = torch.load(resume_path, map_location=device, weights_only=False)
+        if a.stop_after and a.stop_after <= st["elapsed"]:
+            raise ValueError(f"--stop-after {a.stop_after} must exceed the {st['elapsed']:.0f} s already trained")
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         batcher.rng.setstate(st["batcher_rng"])
@@ -265,6 +269,8 @@ def main(argv=None) -> dict:
             torch.save(dict(model=model.state_dict(), opt=opt.state_dict(), batcher_rng=batcher.rng.getstate(),
                             torch_rng=torch.get_rng_state(), log=log, step=step, tokens=tokens, elapsed=elapsed),
                        resume_path)
+            if bar is not None:
+                bar.close()
             print(f"stopped after {elapsed:.0f} s at step {step}; continue with --resume")
             return {}
         if snapshots and frac >= snapshots[0]:

@@ -11,11 +11,14 @@ each method (``methods.py``). Metrics per method:
 * attention-output relative error per layer (same inputs, per decode step);
 * hit rate and KV skip per layer (SPEC §1.5 skipped prefix), and the KV read in
   token-equivalents relative to full attention (covers misses served by completion too);
+  the decode methods only: A3 (``methods.A3Fusion``) fuses the prompt's K/V and then decodes
+  with full attention, so it reports accuracy and agreement;
 * MAC paper Figs. 4-5 analogues: error vs band width ``r`` (a sweep on the first samples) and
   per-head error of hits vs reuse gap ``m - p``.
 
 Writes ``eval.json`` and PNG plots. Presets (``--preset``): ``quick`` (4K, one sample per task,
-32 steps, MAC at tau 0.45 plus its completion-on-miss variant and retrieval-completion; about
+32 steps, MAC at tau 0.45 plus its completion-on-miss variant, retrieval-completion and A3 at
+rho 0.1; about
 4 min on 2 idle CPU cores for the 8-layer 15.7M checkpoint: ~9 s of prefill, ring seeding and
 decode per method and sample) and ``full`` (4K/8K/16K, 4 samples per task, 128 steps;
 1-2 hours on 2 cores, dominated by the 16K prefills and ring seeding).
@@ -37,7 +40,8 @@ from ..config import MacConfig
 from ..generate import greedy_decode
 from ..mac_completion import MissCompletionConfig
 from . import tasks as T
-from .methods import EvalMethod, Mac, RetrievalCompletion
+from ..a3 import A3Config
+from .methods import A3Fusion, EvalMethod, Mac, RetrievalCompletion
 
 __all__ = ["EvalSettings", "PRESETS", "make_samples", "run_eval", "band_sweep", "plot", "load_eval_model",
            "register", "byte_encoder"]
@@ -67,9 +71,9 @@ class EvalSettings:
 
 PRESETS = {
     "quick": dict(settings=EvalSettings(lengths=(4096,), n=1, gen=32), taus=(0.45,), bands=(0, 64, 256),
-                  sweep_samples=1),
+                  sweep_samples=1, a3_rhos=(0.1,)),
     "full": dict(settings=EvalSettings(lengths=(4096, 8192, 16384), n=4, gen=128), taus=(0.3, 0.45, 0.6, 0.75),
-                 bands=(0, 32, 64, 128, 256, 512), sweep_samples=4),
+                 bands=(0, 32, 64, 128, 256, 512), sweep_samples=4, a3_rhos=(0.1, 0.2)),
 }
 
 
@@ -161,8 +165,7 @@ def run_eval(model, methods: Sequence[EvalMethod], settings: EvalSettings, *, en
         acc["full"].setdefault(key, []).append(ref[:len(s.answer)] == s.answer)
         bar.update()
         for m in methods:
-            with m.attach(model):
-                own, _ = greedy_decode(model, prompt, len(ref), forced=forced, desc=m.name)
+            own = m.run(model, prompt, len(ref), forced)
             acc[m.name].setdefault(key, []).append(own[:len(s.answer)] == s.answer)
             st = stats[m.name]
             st["agree"] += sum(a == b for a, b in zip(own, ref))
@@ -183,8 +186,12 @@ def run_eval(model, methods: Sequence[EvalMethod], settings: EvalSettings, *, en
             entry["accuracy"][task] = _mean(x for k, v in per.items() if k.startswith(task + "@") for x in v)
         if name in stats:
             rec = next(m.recorder for m in methods if m.name == name)
-            entry.update(_summarise(rec, stats[name]["agree"], stats[name]["steps"]))
-            entry["error_vs_gap"] = _gap_bins(rec.hit_gap_error)
+            agree, steps = stats[name]["agree"], stats[name]["steps"]
+            if rec is None:   # a prefill method (A3): decode is full attention, no per-layer statistics
+                entry.update(greedy_agreement=agree / steps, decode_steps=steps)
+            else:
+                entry.update(_summarise(rec, agree, steps))
+                entry["error_vs_gap"] = _gap_bins(rec.hit_gap_error)
         out["methods"][name] = entry
     return out
 
@@ -200,8 +207,7 @@ def band_sweep(model, bands: Sequence[int], *, tau: float, window: int, samples:
         m = Mac(MacConfig(window=window, band=int(r), tau=tau))
         agree = steps = 0
         for s, ref in zip(samples, refs):
-            with m.attach(model):
-                toks, _ = greedy_decode(model, torch.tensor([s.ids]), gen, forced=ref, desc=f"r={r}")
+            toks = m.run(model, torch.tensor([s.ids]), gen, forced=ref)
             agree += sum(a == b for a, b in zip(toks, ref))
             steps += gen
         summ = _summarise(m.recorder, agree, steps)
@@ -366,6 +372,9 @@ def _cmd_eval(args) -> int:
     if args.per_layer:
         methods.append(Mac(MacConfig.load(args.per_layer), gen_len=settings.gen,
                            name=f"mac(per-layer {Path(args.per_layer).name})"))
+    a3_rhos = _csv(args.a3_rhos, float) if args.a3_rhos is not None else preset["a3_rhos"]
+    methods += [A3Fusion(A3Config(rho=r, method="a3"), chunk_tokens=args.a3_chunk, question_tokens=args.a3_question)
+                for r in a3_rhos]
     result = run_eval(model, methods, settings, encode=encode, haystack_ids=hay, bos=bos)
     result["model"]["source"] = args.model
     result["haystack"] = hay_desc
@@ -385,9 +394,10 @@ def _cmd_eval(args) -> int:
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{'method':<46}{'acc':>6}{'agree':>7}{'err':>10}{'hit':>7}{'skip':>7}{'read':>7}")
     for name, e in result["methods"].items():
-        print(f"{name:<46}{e['accuracy_mean']:>6.3f}{e.get('greedy_agreement', 1.0):>7.3f}"
-              f"{e.get('rel_error_mean', 0.0):>10.2e}{e.get('hit_rate', 0.0):>7.3f}{e.get('kv_skip', 0.0):>7.3f}"
-              f"{e.get('kv_read_fraction', 1.0):>7.3f}")
+        cell = lambda key, w, fmt: format(e[key], fmt).rjust(w) if key in e else "-".rjust(w)  # noqa: E731
+        print(f"{name:<46}{e['accuracy_mean']:>6.3f}{cell('greedy_agreement', 7, '.3f')}"
+              f"{cell('rel_error_mean', 10, '.2e')}{cell('hit_rate', 7, '.3f')}{cell('kv_skip', 7, '.3f')}"
+              f"{cell('kv_read_fraction', 7, '.3f')}")
     try:
         pngs = plot(result, out.parent, prefix=out.stem)
     except ImportError:
@@ -423,6 +433,10 @@ def register(sub) -> None:
     p.add_argument("--feature-dim", type=int, default=64, help="features F of untrained completion maps")
     p.add_argument("--feature-maps", default=None, help="trained completion feature maps (macattn distill-completion)")
     p.add_argument("--per-layer", default=None, help="also evaluate this MacConfig JSON (from macattn tune)")
+    p.add_argument("--a3-rhos", default=None, help="A3 recompute ratios to evaluate (comma-separated; '' none; "
+                                                   "default: the preset's)")
+    p.add_argument("--a3-chunk", type=int, default=512, help="A3: document chunk length in tokens")
+    p.add_argument("--a3-question", type=int, default=64, help="A3: the prompt's last tokens taken as the question")
     p.add_argument("--haystack", default=None, help=".npy of token ids or a text file for the haystack")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="eval.json", help="JSON to write; PNGs go next to it")

@@ -12,9 +12,10 @@ prefix, and the KV read in token-equivalents. Adding a method is a subclass with
 * ``FullAttention`` — the baseline (no patch);
 * ``Mac`` — MAC (``macattn.mac.mac_decode_step_reference``), any ``MacConfig`` including
   per-layer overrides and ``miss_policy="completion"`` (``macattn.mac_completion``);
-* ``RetrievalCompletion`` — SPEC §3 on every step (``macattn.completion.hybrid_decode_step``).
-
-A3 (SPEC §4) plugs in the same way once ``macattn.a3`` exists.
+* ``RetrievalCompletion`` — SPEC §3 on every step (``macattn.completion.hybrid_decode_step``);
+* ``A3Fusion`` — SPEC §4: the prompt cut into ``[system, chunks, question]``, each chunk's K/V
+  computed alone (as a chunk store holds it), fused prefill, then full-attention decode. It changes
+  the prompt's K/V, not the decode, so it overrides ``run`` and records no per-layer statistics.
 """
 from __future__ import annotations
 
@@ -23,13 +24,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..a3 import A3Config, FusionMethod
 from ..completion import build_completion_cache_batched, hybrid_decode_step, partition, token_equivalents
 from ..config import MacConfig
 from ..mac import full_attention_reference, mac_decode_step_reference
 from ..completion_maps import CompletionFeatureMaps
 from ..mac_completion import CompletionOnMiss, MissCompletionConfig, random_feature_maps
 
-__all__ = ["EVAL_IMPL", "Recorder", "EvalMethod", "FullAttention", "Mac", "RetrievalCompletion"]
+__all__ = ["EVAL_IMPL", "Recorder", "EvalMethod", "FullAttention", "Mac", "RetrievalCompletion", "A3Fusion"]
 
 EVAL_IMPL = "macattn_eval"
 
@@ -124,6 +126,13 @@ class EvalMethod:
 
     def decode(self, ctx, layer, q, q_pre, key, value, positions, scale):
         raise NotImplementedError
+
+    def run(self, model, prompt: torch.Tensor, steps: int, forced: list | None = None) -> list:
+        """Greedy tokens (``steps`` of them) after ``prompt [1, L]``, teacher-forced on ``forced``."""
+        from ..generate import greedy_decode
+
+        with self.attach(model):
+            return greedy_decode(model, prompt, steps, forced=forced, desc=self.name)[0]
 
     @contextmanager
     def attach(self, model):
@@ -245,3 +254,37 @@ class RetrievalCompletion(EvalMethod):
                                         head_dim=q.shape[-1], gen_len=self.gen_len, retrieved=k_eff,
                                         completion=self.use_completion and not full_mid)["total"]
         return out, read, None, 0
+
+
+class A3Fusion(EvalMethod):
+    """A3 KV fusion (``macattn.a3``, ``runtime.a3_assembly``) of the sample's prompt, then full-attention
+    decode. The prompt ``[1, L]`` is read as a RAG prompt: ``system`` its first token (BOS), ``question``
+    its last ``question_tokens`` tokens (the task's query and some text before it), the document tokens
+    between them cut into chunks of ``chunk_tokens``, each chunk's K/V computed alone."""
+
+    def __init__(self, config: A3Config, *, chunk_tokens: int = 512, question_tokens: int = 64,
+                 name: str | None = None) -> None:
+        if not isinstance(config, A3Config):
+            raise TypeError(f"config must be an A3Config, got {type(config).__name__}")
+        for k, v in (("chunk_tokens", chunk_tokens), ("question_tokens", question_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{k} must be an int >= 1, got {v!r}")
+        self.config, self.chunk_tokens, self.question_tokens = config, chunk_tokens, question_tokens
+        args = [] if config.method in (FusionMethod.FULL_RECOMPUTE, FusionMethod.FULL_REUSE) else [f"rho={config.rho}"]
+        self.name = name or f"{config.method.value}({','.join(args + [f'chunk={chunk_tokens}'])})"
+
+    def rag_prompt(self, prompt: torch.Tensor):
+        from macattn.runtime.a3_assembly import RagPrompt
+
+        ids = prompt.reshape(-1)
+        if ids.numel() < self.question_tokens + 2:
+            raise ValueError(f"prompt of {ids.numel()} tokens is too short for question_tokens="
+                             f"{self.question_tokens} plus a system token and a document token")
+        docs = ids[1:ids.numel() - self.question_tokens]
+        return RagPrompt(ids[:1], list(docs.split(self.chunk_tokens)), ids[ids.numel() - self.question_tokens:])
+
+    def run(self, model, prompt, steps, forced=None):
+        from macattn.runtime.a3_assembly import fused_generate
+
+        tokens, _ = fused_generate(model, self.rag_prompt(prompt), self.config, max_new_tokens=steps, forced=forced)
+        return tokens
