@@ -110,8 +110,8 @@ def capture_pre_rope_queries(model, ids: torch.Tensor) -> list:
 
 def query_recurrence(model, prompts: Sequence[torch.Tensor], settings: RecurrenceSettings,
                      progress: bool = True) -> dict:
-    """Oracle recurrence of ``model`` over ``prompts`` (each ``[1, T]`` int64, ``T > settings.positions``
-    not required: short prompts score every position after the first). Returns the JSON-able dict
+    """Oracle recurrence of ``model`` over ``prompts`` (each ``[1, T]`` int64; a prompt shorter than
+    ``settings.positions`` has every position after its first scored). Returns the JSON-able dict
     ``{"settings", "per_layer": [{"hit": {tau: {K: rate}}, "skip": {...}, "median_gap": {tau: g},
     "query_rms": x, "nn_over_sqrt2d": {"q10", "q50", "q90"}}, ...], "mean": {"hit", "skip"}}``.
     """
@@ -119,6 +119,7 @@ def query_recurrence(model, prompts: Sequence[torch.Tensor], settings: Recurrenc
     L = model.config.num_hidden_layers
     taus = [float(t) for t in s.taus]
     windows = list(s.windows)
+    wide = windows.index(max(windows))   # gaps and distances are reported for the widest window
     hits = torch.zeros(L, len(taus), len(windows), dtype=torch.float64)
     skip = torch.zeros_like(hits)
     gaps: list = [[[] for _ in taus] for _ in range(L)]
@@ -142,8 +143,8 @@ def query_recurrence(model, prompts: Sequence[torch.Tensor], settings: Recurrenc
                 hit = (dist < math.sqrt(2.0 * d) * (1.0 - tau)) & valid           # [W, H, n]
                 hits[layer, i] += hit.double().sum(dim=(1, 2))
                 skip[layer, i] += torch.where(hit, sk, 0.0).sum(dim=(1, 2))
-                gaps[layer][i].append((m - pos[-1].double())[hit[-1]])
-            nn_ratio[layer].append(dist[-1][torch.isfinite(dist[-1])].flatten() / math.sqrt(2.0 * d))
+                gaps[layer][i].append((m - pos[wide].double())[hit[wide]])
+            nn_ratio[layer].append(dist[wide][torch.isfinite(dist[wide])].flatten() / math.sqrt(2.0 * d))
             rms[layer] += float(q[:, first:].square().mean().sqrt()) * (T - first)
         count += (T - first) * qs[0].shape[0]
     heads = model.config.num_attention_heads
