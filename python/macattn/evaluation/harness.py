@@ -10,17 +10,16 @@ each method (``methods.py``). Metrics per method:
   does), so every step compares identical prefixes;
 * attention-output relative error per layer (same inputs, per decode step);
 * hit rate and KV skip per layer (SPEC §1.5 skipped prefix), and the KV read in
-  token-equivalents relative to full attention (covers misses served by completion too);
-  the decode methods only: A3 (``methods.A3Fusion``) fuses the prompt's K/V and then decodes
-  with full attention, so it reports accuracy and agreement;
+  token-equivalents relative to full attention (covers misses served by completion too). These
+  three are for decode methods; A3 (``methods.A3Fusion``) fuses the prompt's K/V and then decodes
+  with full attention, so it reports accuracy and agreement only;
 * MAC paper Figs. 4-5 analogues: error vs band width ``r`` (a sweep on the first samples) and
   per-head error of hits vs reuse gap ``m - p``.
 
 Writes ``eval.json`` and PNG plots. Presets (``--preset``): ``quick`` (4K, one sample per task,
 32 steps, MAC at tau 0.45 plus its completion-on-miss variant, retrieval-completion and A3 at
-rho 0.1; about
-4 min on 2 idle CPU cores for the 8-layer 15.7M checkpoint: ~9 s of prefill, ring seeding and
-decode per method and sample) and ``full`` (4K/8K/16K, 4 samples per task, 128 steps;
+rho 0.1; about 4 min on 2 idle CPU cores for the 8-layer 15.7M checkpoint: ~9 s of prefill, ring
+seeding and decode per method and sample) and ``full`` (4K/8K/16K, 4 samples per task, 128 steps;
 1-2 hours on 2 cores, dominated by the 16K prefills and ring seeding).
 """
 from __future__ import annotations
