@@ -32,7 +32,7 @@ MAC_MATCH = "MacMatch"
 MAC_ATTEND = "MacAttend"
 RING_ARGS = ("qring", "oring", "ring_lse", "ring_pos")
 
-_FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+FLOAT_TYPES = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]   # type constraints of float inputs
 
 
 # --- the functional twin of mac_attend (export only) --------------------------------------
@@ -60,8 +60,8 @@ def _param(name: str, type_str: str, doc: str) -> OpSchema.FormalParameter:
 
 
 def _schemas() -> list[OpSchema]:
-    types = [("T", _FLOATS, "query dtype"), ("TQ", _FLOATS, "qring dtype"), ("TKV", _FLOATS, "K/V dtype"),
-             ("TO", _FLOATS, "oring dtype")]
+    types = [("T", FLOAT_TYPES, "query dtype"), ("TQ", FLOAT_TYPES, "qring dtype"),
+             ("TKV", FLOAT_TYPES, "K/V dtype"), ("TO", FLOAT_TYPES, "oring dtype")]
     match = OpSchema(
         MAC_MATCH, DOMAIN, DOMAIN_VERSION,
         doc="MAC match step (docs/graph.md): nearest pre-RoPE query in the window, threshold and validity.",
@@ -92,14 +92,19 @@ def _schemas() -> list[OpSchema]:
     return [match, attend]
 
 
+def register_schemas(schemas) -> None:
+    """Register ``schemas`` with ``onnx.defs`` unless already there (idempotent)."""
+    for schema in schemas:
+        if not onnx.defs.has(schema.name, schema.domain):
+            onnx.defs.register_schema(schema)
+
+
 def register_onnx_schemas() -> None:
     """Register the ``macattn`` op schemas with ``onnx.defs`` (idempotent) so the checker and
     strict shape inference know the ops. Shape inference of these nodes is not in the
     schema (onnx's Python API cannot attach one); the exporter writes every output's
     type and shape as ``value_info``."""
-    for schema in _schemas():
-        if not onnx.defs.has(schema.name, schema.domain):
-            onnx.defs.register_schema(schema)
+    register_schemas(_schemas())
 
 
 # --- torch.onnx translations (onnxscript, traced by the exporter) --------------------------

@@ -14,20 +14,18 @@ to the torch ops for ONNX Runtime (through onnxruntime-extensions, see ``builder
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import torch
 from onnx.defs import OpSchema
 
 from macattn import ops_completion  # noqa: F401  (registers the torch ops)
 
-from .onnx_ops import DOMAIN, DOMAIN_VERSION
+from .onnx_ops import DOMAIN, DOMAIN_VERSION, FLOAT_TYPES, register_schemas
 
 __all__ = ["RETRIEVAL_COMPLETION", "COMPLETION_CACHE", "register_onnx_schemas_completion",
            "custom_translation_table_completion", "register_ort_ops_completion"]
 
 RETRIEVAL_COMPLETION = "RetrievalCompletion"
 COMPLETION_CACHE = "CompletionCache"
-_FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 _INTS = ["tensor(int32)", "tensor(int64)"]
 
 
@@ -47,7 +45,8 @@ def _schemas() -> list[OpSchema]:
                 p("comp_A", f32, "[B, Hkv, F, d]"), p("comp_b", f32, "[B, Hkv, F]"),
                 p("comp_shift", f32, "[B, Hkv, F]")],
         outputs=[p("out", "T", "[B, Hq, d]")],
-        type_constraints=[("T", _FLOATS, "query dtype"), ("TKV", _FLOATS, "K/V dtype"), ("TI", _INTS, "lengths")],
+        type_constraints=[("T", FLOAT_TYPES, "query dtype"), ("TKV", FLOAT_TYPES, "K/V dtype"),
+                          ("TI", _INTS, "lengths")],
         attributes=ints + [attr("top_k", OpSchema.AttrType.INT, "retrieved mid tokens per query head (>= 0)"),
                            attr("scale", OpSchema.AttrType.FLOAT, "softmax scale, <= 0 for 1/sqrt(d)")])
     cache = OpSchema(
@@ -57,16 +56,14 @@ def _schemas() -> list[OpSchema]:
                 p("n_prefill", "TI", "[B]")],
         outputs=[p("comp_A", f32, "[B, Hkv, F, d]"), p("comp_b", f32, "[B, Hkv, F]"),
                  p("comp_shift", f32, "[B, Hkv, F]")],
-        type_constraints=[("TKV", _FLOATS, "V dtype"), ("TI", _INTS, "lengths")],
+        type_constraints=[("TKV", FLOAT_TYPES, "V dtype"), ("TI", _INTS, "lengths")],
         attributes=ints)
     return [step, cache]
 
 
 def register_onnx_schemas_completion() -> None:
     """Register both schemas with ``onnx.defs`` (idempotent)."""
-    for s in _schemas():
-        if not onnx.defs.has(s.name, s.domain):
-            onnx.defs.register_schema(s)
+    register_schemas(_schemas())
 
 
 def custom_translation_table_completion() -> dict:

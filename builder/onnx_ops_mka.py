@@ -14,13 +14,12 @@ Hooked like ``builder/onnx_ops.py``: ``register_onnx_schemas_mka()`` and
 """
 from __future__ import annotations
 
-import onnx
 import torch
 from onnx.defs import OpSchema
 
 from macattn import ops_mka  # noqa: F401  (registers torch.ops.macattn.route_fused_attention)
 
-from .onnx_ops import DOMAIN, DOMAIN_VERSION
+from .onnx_ops import DOMAIN, DOMAIN_VERSION, FLOAT_TYPES, register_schemas
 
 __all__ = ["ROUTE_FUSED", "INPUTS", "OUTPUTS", "route_fused_attention_functional", "register_onnx_schemas_mka",
            "custom_translation_table_mka"]
@@ -28,7 +27,6 @@ __all__ = ["ROUTE_FUSED", "INPUTS", "OUTPUTS", "route_fused_attention_functional
 ROUTE_FUSED = "RouteFusedAttention"
 INPUTS = ("x", "q", "w1", "b1", "w2", "b2", "gate", "state_mean", "state_count", "slots", "wk", "bk", "wv", "bv")
 OUTPUTS = ("k", "v", "lam", "state_mean_out", "state_count_out")
-_FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 
 
 @torch.library.custom_op("macattn::route_fused_attention_functional", mutates_args=())
@@ -65,16 +63,14 @@ def _schema() -> OpSchema:
         inputs=[p(n, t, s) for n, t, s in zip(INPUTS, types, shapes)],
         outputs=[p("k", "T", "[B, Nk] pre-RoPE"), p("v", "T", "[B, Nv]"), p("lam", "tensor(float)", "[B, 3]"),
                  p("state_mean_out", "tensor(float)", "[S, D]"), p("state_count_out", "tensor(int64)", "[S]")],
-        type_constraints=[("T", _FLOATS, "activation dtype"), ("TW", _FLOATS, "weight dtype")],
+        type_constraints=[("T", FLOAT_TYPES, "activation dtype"), ("TW", FLOAT_TYPES, "weight dtype")],
         attributes=[OpSchema.Attribute("mode", OpSchema.AttrType.INT, "0 prefix mean, 1 EMA"),
                     OpSchema.Attribute("beta", OpSchema.AttrType.FLOAT, "EMA decay in (0, 1) (mode 1)")])
 
 
 def register_onnx_schemas_mka() -> None:
     """Register ``macattn::RouteFusedAttention`` with ``onnx.defs`` (idempotent)."""
-    s = _schema()
-    if not onnx.defs.has(s.name, s.domain):
-        onnx.defs.register_schema(s)
+    register_schemas([_schema()])
 
 
 def custom_translation_table_mka() -> dict:
