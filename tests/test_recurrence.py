@@ -54,12 +54,11 @@ def test_settings_are_validated(kw, match):
 
 
 def _tiny_llama(seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from macattn.models import build_builtin_model
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
-    return LlamaForCausalLM(cfg).eval()
+    return build_builtin_model("llama", seed=seed, vocab_size=64, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                               max_position_embeddings=512)
 
 
 def test_captured_queries_are_the_q_proj_output():
