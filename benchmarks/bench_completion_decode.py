@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import macattn.ops_completion  # noqa: F401
+import macattn.methods.completion.ops  # noqa: F401
 import macattn.plugins  # noqa: F401  (registers the Triton kernels as the ops' CUDA impls)
-from macattn.completion import retrieval_completion_step
+from macattn.methods.completion.reference import retrieval_completion_step
 from macattn.plugins.retrieval_completion import op as rc_op
 from macattn.plugins.retrieval_completion.op import mid_topk_triton
 

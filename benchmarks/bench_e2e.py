@@ -190,8 +190,8 @@ def _time(fn, steps: int, warmup: int, device) -> float:
 
 def run_one(model, shapes, args, *, path: str, mode: str, context: int, B: int, kv: StaticKV, device, dtype,
             plan_cls, fi_mod) -> dict:
-    from macattn.config import MacConfig
-    from macattn.runtime.state import MacState
+    from macattn.methods.mac.config import MacConfig
+    from macattn.methods.mac.state import MacState
 
     L, hq, hkv, d = (shapes[k] for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                                           "head_dim"))

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 import macattn.plugins  # noqa: F401  (registers the Triton kernel as the op's CUDA impl)
-from macattn.mka import route_fused_decode_reference, router_reference
-from macattn import ops_mka  # noqa: F401
+from macattn.methods.mka.reference import route_fused_decode_reference, router_reference
+from macattn.methods.mka import ops as ops_mka  # noqa: F401
 
 from cuda_timing import time_graph
 

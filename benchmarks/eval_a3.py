@@ -3,7 +3,7 @@
 Each prompt is ``[system, chunk_1 … chunk_n, question]``: the chunks are consecutive passages of
 held-out text, one of them with a key-value needle ("The secret number of <name> is <digits>.")
 inserted at a random place, and the question repeats the needle's key and asks for its value.
-Every method (``macattn.a3.FusionMethod``) across ``rho`` prefills through
+Every method (``macattn.methods.a3.reference.FusionMethod``) across ``rho`` prefills through
 ``macattn.runtime.a3_assembly`` and decodes ``--answer-tokens`` greedily; reported per method:
 
 * ``ttft_ms``: median wall time of the fused prefill up to the first token's logits, with
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from macattn.a3 import A3Config, FusionMethod
+from macattn.methods.a3.reference import A3Config, FusionMethod
 from macattn.runtime.a3_assembly import RagPrompt, fuse_prefix, prefill_question, _forward
 from macattn.runtime.chunk_store import ChunkKVStore, model_fingerprint
 
@@ -42,12 +42,12 @@ NAMES = ["Abigail", "Barnabas", "Cornelius", "Delilah", "Ezekiel", "Felix", "Gid
 
 
 def load_model(model_dir):
-    from macattn.checkpoint import builtin_checkpoint_available, load_builtin_checkpoint
+    from macattn.models.checkpoint import builtin_checkpoint_available, load_builtin_checkpoint
 
     if model_dir is not None or builtin_checkpoint_available():
         model, tok = load_builtin_checkpoint(model_dir, dtype=torch.float32)
         return model, tok, str(model_dir or "macattn/data/tiny_llama (trained)")
-    from macattn.models import build_builtin_model
+    from macattn.models.builtin import build_builtin_model
 
     return build_builtin_model("llama", seed=0).float().eval(), None, "built-in random llama"
 
@@ -61,7 +61,7 @@ def make_prompts(tok, vocab, n, chunks, chunk_tokens, seed):
             r = lambda k: torch.randint(3, vocab, (k,), generator=g)   # noqa: E731
             out.append((RagPrompt(r(8), [r(chunk_tokens) for _ in range(chunks)], r(12)), ""))
         return out
-    from macattn.checkpoint import heldout_text
+    from macattn.models.checkpoint import heldout_text
 
     enc = lambda s: tok.encode(s, add_special_tokens=False)   # noqa: E731
     text_ids = enc(heldout_text())

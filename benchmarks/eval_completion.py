@@ -5,8 +5,8 @@
 
 Protocol (paper §6-7, App. D/H; SPEC §3):
 
-* model: the built-in LLaMA (random weights, ``macattn.models``) and, when present, the trained
-  tiny LLaMA (``macattn.checkpoint``; ``--model-dir``). Text: Python stdlib docstrings
+* model: the built-in LLaMA (random weights, ``macattn.models.builtin``) and, when present, the trained
+  tiny LLaMA (``macattn.models.checkpoint``; ``--model-dir``). Text: Python stdlib docstrings
   (``finetune_mka.stdlib_corpus``) for the built-in model, the checkpoint's ``heldout.txt`` for the
   trained one; the first 85 % of the token stream trains the maps, evaluation windows come from
   the rest;
@@ -14,17 +14,17 @@ Protocol (paper §6-7, App. D/H; SPEC §3):
   attention and post-RoPE q/k/v of every layer are captured. The decode query at position
   ``N + j`` sees the prefill (sink ``n_sink``, tail ``n_tail``, mid between) and ``j + 1``
   generated tokens; its attention output per (layer, query head) is computed by full attention,
-  selection-only Top-k (renormalised) and Top-k + completion (``macattn.completion``);
+  selection-only Top-k (renormalised) and Top-k + completion (``macattn.methods.completion.reference``);
 * budgets ``β ∈ {1..5} %`` of ``N`` token-equivalents per step and KV head. Selection-only
   retrieves ``k = β·N - anchors``; completion ``k = (β·N - anchors - cache/G) / (1 + F/(2d))``
   where ``cache = (F·d + 2F)/(2d)`` is the one-time cache fetch amortised over ``G`` generated
   tokens (``--gen-len``; G = 1 is the paper's worst case, also reported) and ``F/(2d)`` per
-  retrieved token pays for reading its ``log φ_k`` row (``macattn.completion.budget_top_k``);
+  retrieved token pays for reading its ``log φ_k`` row (``macattn.methods.completion.reference.budget_top_k``);
 * error: ``‖o - o_full‖ / ‖o_full‖`` averaged over queries and windows, per (layer, query head);
   mid-normalised entropy ``H_M = -Σ_{t∈M} p_t log p_t / log|M|`` with ``p`` the teacher softmax
   restricted to the mid region; gain = error(selection) - error(completion).
 
-Feature maps are distilled here for ``--train-steps`` steps (``macattn.distill_completion``) unless
+Feature maps are distilled here for ``--train-steps`` steps (``macattn.apps.distill_completion``) unless
 ``--maps`` is given. Writes ``benchmarks/results/eval_completion.{json,png}``.
 """
 from __future__ import annotations
@@ -40,11 +40,11 @@ from pathlib import Path
 
 import torch
 
-from macattn.checkpoint import builtin_checkpoint_available, BUILTIN_CHECKPOINT_DIR
-from macattn.completion import (budget_top_k, build_completion_cache, full_attention_step, hybrid_decode_step,
+from macattn.models.checkpoint import builtin_checkpoint_available, BUILTIN_CHECKPOINT_DIR
+from macattn.methods.completion.reference import (budget_top_k, build_completion_cache, full_attention_step, hybrid_decode_step,
                                 token_equivalents)
-from macattn.completion_maps import capture_qkv, load_feature_maps
-from macattn.distill_completion import DistillConfig, distill, load_model_and_tokens, maps_for_model
+from macattn.methods.completion.feature_maps import capture_qkv, load_feature_maps
+from macattn.apps.distill_completion import DistillConfig, distill, load_model_and_tokens, maps_for_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from macattn.config import MacConfig
+from macattn.methods.mac.config import MacConfig
 
 __all__ = ["build_engine_dir", "TRT_MISSING_MESSAGE", "PLUGIN_LIBRARY_ENV", "tensorrt_available"]
 
@@ -47,7 +47,7 @@ def _sha256(path: Path) -> str:
 
 
 def _load_model(family: str, hf_dir: str | Path | None, tiny: bool, seed: int):
-    from macattn.models import FAMILIES, build_builtin_model
+    from macattn.models.builtin import FAMILIES, build_builtin_model
 
     if family not in FAMILIES:
         raise ValueError(f"model must be one of {FAMILIES}, got {family!r}")
@@ -80,7 +80,7 @@ def build_engine_dir(family: str, out: str | Path, *, mac: MacConfig, hf_dir: st
     from macattn.builder.export import decode_io_names, model_dims, prefill_io_names
     from macattn.builder.onnx_export import check_onnx, export_decode_onnx, export_prefill_onnx
     from macattn.builder.onnx_ops import DOMAIN, DOMAIN_VERSION, MAC_ATTEND, MAC_MATCH
-    from macattn.builder.patch import patch_model
+    from macattn.models.attention import patch_model
 
     if not isinstance(mac, MacConfig):
         raise TypeError(f"mac must be a MacConfig, got {type(mac).__name__}")

@@ -26,11 +26,11 @@ past ``positions[b]`` are ignored; ``positions[b] <= T``); its new K/V row is pl
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
-from macattn.builder.patch import MacAttentionContext, is_patched
+from macattn.methods.base import StepContext
+from macattn.methods.mac.backend import MacAttention
+from macattn.models.attention import ModelBinding, binding_of, is_patched
 
 __all__ = ["DecodeStepModule", "PrefillStepModule", "RING_NAMES", "decode_io_names", "prefill_io_names",
            "model_dims"]
@@ -93,21 +93,10 @@ class _StepCache:
         return full.scatter(2, idx, row.to(past.dtype))
 
 
-def _check_patched(model) -> MacAttentionContext:
-    if not is_patched(model):
-        raise ValueError("model must be patched with macattn.builder.patch.patch_model first")
-    return model._macattn_ctx
-
-
-@contextmanager
-def _external(ctx: MacAttentionContext, *, slots, rings, positions=None):
-    saved = (ctx.slots, ctx.rings, ctx.positions, ctx.runtime_slots, ctx.collect_diagnostics)
-    ctx.slots, ctx.rings, ctx.positions = slots, rings, positions
-    ctx.runtime_slots, ctx.collect_diagnostics = True, False
-    try:
-        yield
-    finally:
-        ctx.slots, ctx.rings, ctx.positions, ctx.runtime_slots, ctx.collect_diagnostics = saved
+def _check_patched(model) -> ModelBinding:
+    if not is_patched(model) or not isinstance(binding_of(model).method, MacAttention):
+        raise ValueError("model must be patched with macattn.models.attention.patch_model first")
+    return binding_of(model)
 
 
 def _run_layers(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: _StepCache) -> torch.Tensor:
@@ -136,7 +125,7 @@ class DecodeStepModule(torch.nn.Module):
 
     def __init__(self, model):
         super().__init__()
-        self.ctx = _check_patched(model)
+        self.binding = _check_patched(model)
         self.model = model
         self.num_layers = model.config.num_hidden_layers
 
@@ -150,9 +139,9 @@ class DecodeStepModule(torch.nn.Module):
         values = [state[6 * l + 1] for l in range(N)]
         rings = _split_rings(state, N, 6, 2)
         cache = _StepCache(keys, values, positions)
-        with _external(self.ctx, slots=slots, rings=rings, positions=positions):
+        with self.binding.step(StepContext(slots=slots, rings=rings, positions=positions)):
             logits = _run_layers(self.model, input_ids, positions.view(-1, 1), cache)
-            match = [self.ctx.last_match_pos.pop(l) for l in range(N)]
+            match = [self.binding.method.last_match_pos.pop(l) for l in range(N)]
         outs = [logits]
         for l in range(N):
             outs += [cache.new_keys[l], cache.new_values[l], *rings[l], match[l]]
@@ -169,7 +158,7 @@ class PrefillStepModule(torch.nn.Module):
 
     def __init__(self, model):
         super().__init__()
-        self.ctx = _check_patched(model)
+        self.binding = _check_patched(model)
         self.model = model
         self.num_layers = model.config.num_hidden_layers
 
@@ -182,7 +171,7 @@ class PrefillStepModule(torch.nn.Module):
         rings = _split_rings(ring_state, N, 4, 0)
         cache = _StepCache()
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
-        with _external(self.ctx, slots=slots, rings=rings):
+        with self.binding.step(StepContext(slots=slots, rings=rings)):
             logits = _run_layers(self.model, input_ids, position_ids, cache)
         outs = [logits]
         for l in range(N):

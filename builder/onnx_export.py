@@ -19,6 +19,7 @@ from pathlib import Path
 import onnx
 import torch
 
+from macattn.models.attention import binding_of
 from macattn.builder.export import (DecodeStepModule, PrefillStepModule, decode_io_names, model_dims,
                                     prefill_io_names)
 from macattn.builder.onnx_ops_completion import (custom_translation_table_completion,
@@ -48,7 +49,7 @@ class OnnxExport:
 def _ring_tensors(model, num_slots: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """Empty rings of every layer, flat ``[qring, oring, ring_lse, ring_pos] * N``."""
     dims = model_dims(model)
-    cfg = model._macattn_ctx.config
+    cfg = binding_of(model).method.config
     out = []
     for l in range(dims["num_layers"]):
         K = cfg.for_layer(l).window

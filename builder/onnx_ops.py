@@ -20,7 +20,7 @@ import onnx
 import torch
 from onnx.defs import OpSchema
 
-from macattn import ops  # noqa: F401  (registers torch.ops.macattn.mac_match / mac_attend)
+from macattn.methods.mac import ops  # noqa: F401  (registers torch.ops.macattn.mac_match / mac_attend)
 
 __all__ = ["DOMAIN", "DOMAIN_VERSION", "MAC_MATCH", "MAC_ATTEND", "RING_ARGS", "register_onnx_schemas",
            "custom_translation_table", "replace_auto_functionalized", "replace_inplace_attend",

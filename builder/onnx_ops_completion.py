@@ -6,7 +6,7 @@
   prefill; plugin ``mac::completion_cache``).
 
 Neither op mutates its inputs, so no functional twin is needed. Inputs, attributes and outputs
-are those of ``macattn.ops_completion`` (and of ``plugins/retrieval_completion/plugin.py``).
+are those of ``macattn.methods.completion.ops`` (and of ``plugins/retrieval_completion/plugin.py``).
 Hooked like ``builder/onnx_ops_mka.py``: ``register_onnx_schemas_completion()`` and
 ``custom_translation_table_completion()``; ``register_ort_ops_completion()`` binds both nodes
 to the torch ops for ONNX Runtime (through onnxruntime-extensions, see ``builder/onnx_ort.py``).
@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from onnx.defs import OpSchema
 
-from macattn import ops_completion  # noqa: F401  (registers the torch ops)
+from macattn.methods.completion import ops as ops_completion  # noqa: F401  (registers the torch ops)
 
-from .onnx_ops import DOMAIN, DOMAIN_VERSION, FLOAT_TYPES, register_schemas
+from macattn.builder.onnx_ops import DOMAIN, DOMAIN_VERSION, FLOAT_TYPES, register_schemas
 
 __all__ = ["RETRIEVAL_COMPLETION", "COMPLETION_CACHE", "register_onnx_schemas_completion",
            "custom_translation_table_completion", "register_ort_ops_completion"]

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from onnx.defs import OpSchema
 
-from macattn import ops_mka  # noqa: F401  (registers torch.ops.macattn.route_fused_attention)
+from macattn.methods.mka import ops as ops_mka  # noqa: F401  (registers torch.ops.macattn.route_fused_attention)
 
-from .onnx_ops import DOMAIN, DOMAIN_VERSION, FLOAT_TYPES, register_schemas
+from macattn.builder.onnx_ops import DOMAIN, DOMAIN_VERSION, FLOAT_TYPES, register_schemas
 
 __all__ = ["ROUTE_FUSED", "INPUTS", "OUTPUTS", "route_fused_attention_functional", "register_onnx_schemas_mka",
            "custom_translation_table_mka"]

@@ -1,5 +1,5 @@
 """Run the exported graphs on the CPU with ONNX Runtime; the ``macattn`` nodes execute the
-reference (``macattn.mac``) through onnxruntime-extensions Python custom ops.
+reference (``macattn.methods.mac.reference``) through onnxruntime-extensions Python custom ops.
 
 onnxruntime-extensions registers Python ops only in its own domain
 (``onnxruntime_extensions.default_opset_domain()``, ``ai.onnx.contrib``), so

@@ -48,7 +48,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from macattn.config import MacConfig
+from macattn.methods.mac.config import MacConfig
 
 __all__ = ["RING_NAMES", "STEP_INPUTS", "IOTensor", "RingIO", "MacNetworkIO", "mac_network_io", "dim_range",
            "rope_tables", "make_mac_attention"]
@@ -207,7 +207,7 @@ def make_mac_attention(base, cfg: MacConfig, creators: dict, *, max_batch: int):
     from tensorrt_llm._common import default_net, default_trtnet
     from tensorrt_llm.layers import attention as attention_mod
 
-    from .trtllm_build import plugin_fields
+    from macattn.builder.trtllm_build import plugin_fields
 
     to_trt = {torch.float32: trt.float32, torch.float16: trt.float16, torch.bfloat16: trt.bfloat16,
               torch.int32: trt.int32, torch.int64: trt.int64}

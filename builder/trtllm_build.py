@@ -26,7 +26,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from macattn.config import MacConfig
+from macattn.methods.mac.config import MacConfig
 
 __all__ = ["PLUGINS", "ARCH_TO_TRTLLM", "split_args", "plugin_fields", "layer_plugin_fields", "patch_targets",
            "install_patch", "build_parser", "main"]
@@ -151,7 +151,7 @@ def install_patch(cfg: MacConfig, max_batch: int) -> list[str]:
 
     from macattn.plugins.tensorrt_plugins import register_all
 
-    from .trtllm_attention import make_mac_attention
+    from macattn.builder.trtllm_attention import make_mac_attention
 
     register_all()
     reg = trt.get_plugin_registry()

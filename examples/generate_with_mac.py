@@ -11,7 +11,7 @@ import random
 import torch
 
 from macattn import MacConfig
-from macattn.checkpoint import BUILTIN_CHECKPOINT_DIR, heldout_text, load_tokenizer
+from macattn.models.checkpoint import BUILTIN_CHECKPOINT_DIR, heldout_text, load_tokenizer
 from macattn.evaluation.tasks import haystack_from, make_sample
 from macattn.runtime import ModelRunner
 

@@ -1,15 +1,15 @@
 """Register the Triton launchers as the CUDA kernels of the ``macattn`` ops.
 
 Imported by ``macattn.plugins`` only when triton is importable. The reference in
-``macattn.ops`` stays the implementation for every other device.
+``macattn.methods.mac.ops`` stays the implementation for every other device.
 """
 from __future__ import annotations
 
 import torch
 
-import macattn.ops  # noqa: F401  (defines the ops)
-import macattn.ops_completion  # noqa: F401  (defines macattn::retrieval_completion / completion_cache)
-import macattn.ops_mka  # noqa: F401  (defines macattn::route_fused_attention)
+import macattn.methods.mac.ops  # noqa: F401  (defines the ops)
+import macattn.methods.completion.ops  # noqa: F401  (defines macattn::retrieval_completion / completion_cache)
+import macattn.methods.mka.ops  # noqa: F401  (defines macattn::route_fused_attention)
 
 from .mac_attend.op import mac_attend_triton
 from .mac_match.op import mac_match_triton

@@ -5,7 +5,7 @@ state registry), ``block_manager`` + ``kv_cache`` (paged KV), ``scheduler`` (in-
 batching), ``executor`` (runs the patched model), ``engine`` (requests + steps),
 ``model_runner`` (``ModelRunner.generate``), ``triton_repo`` (Triton model repository).
 
-Names are imported lazily: ``macattn.builder.patch`` imports ``runtime.state`` while the
+Names are imported lazily: ``macattn.models.attention`` imports ``runtime.state`` while the
 executor imports ``builder.patch``.
 """
 import importlib

@@ -1,5 +1,5 @@
 """A3 assembly: the prefill of a RAG prompt ``[system, chunk_1 … chunk_n, question]`` from
-stored chunk KV (SPEC §4; selection math in ``macattn.a3``).
+stored chunk KV (SPEC §4; selection math in ``macattn.methods.a3.reference``).
 
 Steps (``fuse_prefix`` then ``prefill_question``):
 
@@ -31,11 +31,11 @@ from typing import Callable
 
 import torch
 
-from macattn.a3 import (A3Config, FusionMethod, question_attention_scores, recompute_budget, sink_selection,
+from macattn.methods.a3.reference import (A3Config, FusionMethod, question_attention_scores, recompute_budget, sink_selection,
                         top_tokens, value_deviation_scores)
-from macattn.builder.patch import plain_attention
+from macattn.models.attention import plain_attention
 
-from .chunk_store import ChunkKVStore, _ids_tensor, precompute_chunk_kv
+from macattn.runtime.chunk_store import ChunkKVStore, _ids_tensor, precompute_chunk_kv
 
 __all__ = ["RagPrompt", "FusedCache", "FusionResult", "fuse_prefix", "prefill_question", "fused_generate",
            "chunk_kv_source"]
@@ -303,54 +303,25 @@ def fused_generate(model, prompt: RagPrompt, config: A3Config, *, max_new_tokens
     return tokens, result
 
 
-class _ContinueView:
-    """Paged-pool view for the question of a fused prefill: writes the call's K/V to
-    ``write_rows [Q]`` and returns the whole prompt's ``rows [P + Q]`` as ``[1, Hkv, P + Q, d]``."""
-
-    def __init__(self, kv, write_rows: torch.Tensor, rows: torch.Tensor) -> None:
-        dev = kv.k[0].device
-        self.kv, self.write_rows, self.rows = kv, write_rows.to(dev), rows.to(dev)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self.rows.numel() - self.write_rows.numel())
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        k, v = self.kv.k[layer_idx], self.kv.v[layer_idx]
-        k[self.write_rows] = key[0].transpose(0, 1).to(k.dtype)
-        v[self.write_rows] = value[0].transpose(0, 1).to(v.dtype)
-        return k[self.rows].transpose(0, 1).unsqueeze(0), v[self.rows].transpose(0, 1).unsqueeze(0)
-
-
-@torch.inference_mode()
-def runtime_prefill(executor, seq) -> torch.Tensor:
-    """``ModelExecutor.prefill`` of a request carrying ``seq.rag = (RagPrompt, A3Config, store)``:
-    the fused prefix is written to the request's paged KV rows, then the question runs through
-    the patched model as a continued prefill (so MAC seeds the request's ring rows from the
-    question tokens). Returns the last position's logits ``[V]``."""
+def runtime_prefill(io, seq) -> torch.Tensor:
+    """The engine's prefill of a request carrying ``seq.rag = (RagPrompt, A3Config, store)``,
+    through the executor's ``PrefillIO``: the fused prefix is written to the request's paged KV
+    rows, then the question runs through the bound model as a continued prefill (so MAC seeds
+    the request's ring rows from the question tokens). Returns the last position's logits ``[V]``."""
     prompt, config, store = seq.rag
     if config.method is FusionMethod.FULL_RECOMPUTE:
-        return executor.prefill_plain(seq)
-    if executor.mka_ctx is not None:
+        return io.prefill_plain()
+    if io.has_fastmka:
         raise NotImplementedError("A3 fused prefill is not supported on FastMKA-patched models")
-    model, dev = executor.model, executor.device
-    result = fuse_prefix(model, prompt, config, chunk_kv=chunk_kv_source(model, store))
-    P, Q = prompt.num_prefix, prompt.question.numel()
-    L = P + Q
-    rows = executor.blocks.rows(seq, 0, L).to(dev)
-    for layer in range(executor.num_layers):
-        executor.kv.k[layer][rows[:P]] = result.cache.k[layer][0, :, :P].transpose(0, 1)
-        executor.kv.v[layer][rows[:P]] = result.cache.v[layer][0, :, :P].transpose(0, 1)
-    pos = torch.arange(P, L, device=dev)
-    mask = (torch.arange(L, device=dev).view(1, L) <= pos.view(Q, 1)).view(1, 1, Q, L)
-    executor.set_slots(torch.tensor([seq.slot], dtype=torch.int64))
-    executor.ctx.positions = None
-    try:
-        out = model(input_ids=prompt.question.to(dev).view(1, Q), position_ids=pos.view(1, Q), attention_mask=mask,
-                    past_key_values=_ContinueView(executor.kv, rows[P:], rows), use_cache=True, logits_to_keep=1)
-    finally:
-        executor.set_slots(None)
+    model = io.model
+    with torch.inference_mode():
+        result = fuse_prefix(model, prompt, config, chunk_kv=chunk_kv_source(model, store))
+    P = prompt.num_prefix
+    io.write_kv(0, [result.cache.k[layer][0, :, :P] for layer in range(len(result.cache.k))],
+                [result.cache.v[layer][0, :, :P] for layer in range(len(result.cache.v))])
+    logits = io.continue_prefill(prompt.question, P)
     seq.rag_stats = dict(result.stats)
-    return out.logits[0, -1]
+    return logits
 
 
 def split_rag_prompt(input_ids, rag_lengths) -> RagPrompt:

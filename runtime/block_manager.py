@@ -13,7 +13,7 @@ from collections import deque
 
 import torch
 
-from .sequence import Sequence
+from macattn.runtime.sequence import Sequence
 
 __all__ = ["BlockManager"]
 

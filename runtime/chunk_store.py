@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, save_file
 
-from macattn.builder.patch import capture_pre_rope_kv, plain_attention
+from macattn.models.attention import capture_pre_rope_kv, plain_attention
 
 __all__ = ["LAYOUT", "ChunkStoreIntegrityError", "ChunkKVStore", "precompute_chunk_kv", "model_fingerprint"]
 

@@ -15,7 +15,7 @@ attention function registered with transformers' ``AttentionInterface`` as
 
 The model runs with ``use_cache=False``: the slot rows are the KV cache. A slot is reset when a
 request is admitted and when it is released. ``budget_report`` gives the KV reads per decode step
-and KV head in token-equivalents (``macattn.completion.token_equivalents``).
+and KV head in token-equivalents (``macattn.methods.completion.reference.token_equivalents``).
 """
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ from collections import deque
 
 import torch
 
-from macattn.completion import (CompletionConfig, build_completion_cache, hybrid_decode_step, partition,
+from macattn.methods.completion.reference import (CompletionConfig, build_completion_cache, hybrid_decode_step, partition,
                                 retrieval_completion_step, token_equivalents)
-from macattn.completion_maps import CompletionFeatureMaps
+from macattn.methods.completion.feature_maps import CompletionFeatureMaps
 
-from .completion_state import CompletionState
+from macattn.methods.completion.state import CompletionState
 
 __all__ = ["IMPL_NAME", "CompletionDecoder", "completion_op"]
 
@@ -38,7 +38,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
 def completion_op():
     """``torch.ops.macattn.retrieval_completion``: the Triton kernels on CUDA when triton is importable
     (``macattn.plugins`` registers them), the reference elsewhere."""
-    import macattn.ops_completion  # noqa: F401
+    import macattn.methods.completion.ops  # noqa: F401
     import macattn.plugins  # noqa: F401
     return torch.ops.macattn.retrieval_completion
 

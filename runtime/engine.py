@@ -9,17 +9,21 @@ thread drives an engine (the Triton model drives it from its own loop thread).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from macattn.config import MacConfig
+from macattn.methods.base import AttentionMethod, ModelDims
+from macattn.methods.mac.backend import MacAttention
+from macattn.methods.mac.config import MacConfig
+from macattn.methods.registry import method_class
 
-from .config import RuntimeConfig
-from .executor import ModelExecutor
-from .sampling import SamplingParams, sample_next
-from .scheduler import Scheduler
-from .sequence import Sequence
-from .slots import SlotStates
+from macattn.runtime.config import RuntimeConfig
+from macattn.runtime.executor import ModelExecutor
+from macattn.runtime.sampling import SamplingParams, sample_next
+from macattn.runtime.scheduler import Scheduler
+from macattn.runtime.sequence import Sequence
+from macattn.runtime.slots import SlotStates
 
 __all__ = ["StepOutput", "LLMEngine", "check_input_ids"]
 
@@ -59,25 +63,48 @@ def check_input_ids(input_ids, *, vocab_size: int, name: str = "input_ids") -> l
 
 
 class LLMEngine:
-    """model: a LLaMA / Qwen2 / Mistral ``*ForCausalLM``; mac_config None = MAC disabled
-    (every step runs full attention through the same ops)."""
+    """model: a LLaMA / Qwen2 / Mistral ``*ForCausalLM``.
 
-    def __init__(self, model, mac_config: MacConfig | None = None, config: RuntimeConfig | None = None) -> None:
+    method: the attention method, by registry name (``macattn.methods.registry``) or as a
+    factory ``num_slots -> AttentionMethod``; default ``"mac"`` with ``mac_config`` (None = MAC
+    disabled: every step runs full attention through the same ops). ``method_config`` is the
+    named method's config (default: its config type's defaults).
+    """
+
+    def __init__(self, model, mac_config: MacConfig | None = None, config: RuntimeConfig | None = None, *,
+                 method: str | Callable[[int], AttentionMethod] = "mac", method_config=None) -> None:
         config = (config or RuntimeConfig()).resolved(model.config.max_position_embeddings)
         self.config = config
         self.mac_config = mac_config if mac_config is not None else MacConfig(enabled=False)
         self.mac_config.require_full_misses("ModelRunner")
-        self.executor = ModelExecutor(model, self.mac_config, config)
-        self.slot_states = SlotStates(self.executor.ctx.state.num_slots, self.executor.ctx.state)
+        factory = method if callable(method) else self._factory(model, method, method_config)
+        self.executor = ModelExecutor(model, factory, config)
+        self.method = self.executor.method
+        self.slot_states = SlotStates(self.executor.num_slots)
+        for name, state in self.method.slot_states().items():
+            self.slot_states.register(name, state)
         if self.executor.mka_state is not None:
             self.slot_states.register("fastmka", self.executor.mka_state)
+        if self.executor.paged is not None:    # the padding rows' scratch, never a request's
+            self.executor.reserve_scratch(self.slot_states.acquire())
         self.scheduler = Scheduler(self.slot_states, self.executor.blocks)
         self.vocab_size = model.config.vocab_size
         self.requests: dict[int, Sequence] = {}
 
+    def _factory(self, model, name: str, method_config):
+        cls = method_class(name)
+        if cls is MacAttention:
+            if method_config is not None:
+                raise ValueError("pass MAC's config as mac_config, not method_config")
+            method_config = self.mac_config
+        elif method_config is None:
+            method_config = cls.config_type()
+        return lambda num_slots: cls(method_config, ModelDims.of(model.to(self.config.device)), num_slots=num_slots)
+
     @property
     def mac_state(self):
-        return self.executor.ctx.state
+        """The MAC rings (``MacState``) when the method is MAC, else None."""
+        return getattr(self.method, "state", None) if isinstance(self.method, MacAttention) else None
 
     @property
     def model(self):

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from macattn.config import MacConfig
+from macattn.methods.mac.config import MacConfig
 
 __all__ = ["EngineManifest", "read_engine_dir", "write_engine_dir"]
 

@@ -1,71 +1,84 @@
-"""Runs the patched transformers model over the paged KV cache: prefill one request,
-decode a batch of requests of different lengths.
+"""Runs the bound transformers model over the paged KV cache: prefill one request, decode a
+batch of requests of different lengths.
 
-The model is patched in place (``macattn.builder.patch``) and its MAC context is put in
-runtime mode: the runtime sets ``ctx.slots`` (ring rows) and, for decode, ``ctx.positions``
-(per-request ``m``) before each call. Per-request RoPE comes from explicit
-``position_ids``; K/V go through ``PrefillView`` / ``DecodeView`` into the paged pool.
-On the CPU the MAC ops run their reference implementation; on CUDA, decode goes through
-``PagedDecoder`` (the Triton plan over the paged pool, CUDA graphs per batch bucket), which
-pads batches with a scratch ring slot and a scratch KV block reserved here.
+The model is bound in place to the engine's ``AttentionMethod`` (``macattn.models.attention``).
+Every model call runs inside ``ModelBinding.step(StepContext(...))`` — the one place the
+per-call metadata (state rows, per-request positions, the GPU bucket's plans) is set.
+Per-request RoPE comes from explicit ``position_ids``; K/V go through ``PrefillView`` /
+``DecodeView`` into the paged pool. On CUDA, decode goes through ``PagedDecoder`` (the Triton
+plans over the paged pool, CUDA graphs per batch bucket), which pads batches with a scratch
+state row and a scratch KV block reserved here.
+
+``PrefillIO`` is what a whole-request prefill (A3's fused prefix) may do with a request: write
+its prompt K/V rows and run a continued prefill — nothing else of the executor.
 """
 from __future__ import annotations
 
 import torch
 
-from macattn.builder.patch import patch_model
-from macattn.config import MacConfig
+from macattn.methods.base import AttentionMethod, StepContext
+from macattn.models.attention import bind
 
 from .block_manager import BlockManager
 from .config import RuntimeConfig
 from .kv_cache import DecodeView, PagedKVCache, PrefillView
 from .sequence import Sequence
 
-__all__ = ["ModelExecutor"]
+__all__ = ["ModelExecutor", "PrefillIO"]
 
 
 class ModelExecutor:
-    """model: a LLaMA / Qwen2 / Mistral ``*ForCausalLM`` (patched here, in place)."""
+    """model: a LLaMA / Qwen2 / Mistral ``*ForCausalLM`` (bound here, in place, to ``method``,
+    whose state has ``max_batch_size`` rows plus, on CUDA, one scratch row)."""
 
-    def __init__(self, model, mac_config: MacConfig, config: RuntimeConfig) -> None:
+    def __init__(self, model, method_factory, config: RuntimeConfig) -> None:
         hf = model.config
         self.config = config
         self.device = torch.device(config.device)
         self.model = model.to(self.device).eval()
         gpu = self.device.type == "cuda"
-        # on CUDA one extra ring slot and KV block are the padding rows' scratch (never a request's)
-        self.ctx = patch_model(self.model, mac_config, num_slots=config.max_batch_size + gpu)
-        self.ctx.runtime_slots = True
-        self.scratch_slot = self.ctx.state.acquire() if gpu else None
-        self.scratch_block = config.num_blocks if gpu else None
+        if gpu:
+            from macattn.methods.kernels import register_kernels
+
+            register_kernels()
+        self.method: AttentionMethod = method_factory(config.max_batch_size + gpu)
+        self.binding = bind(self.model, self.method)
         self.num_layers = hf.num_hidden_layers
-        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        self.dtype = next(model.parameters()).dtype
+        self.head_dim = self.method.dims.head_dim
+        self.dtype = self.method.dims.dtype
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.kv = PagedKVCache(num_layers=self.num_layers, num_blocks=config.num_blocks + gpu,
                                block_size=config.block_size, num_kv_heads=hf.num_key_value_heads,
                                head_dim=self.head_dim, dtype=self.dtype, device=self.device)
-        # FastMKA (``macattn.mka_patch.patch_mka`` applied before): its per-request session summary
-        # lives in runtime-owned slots, the rows of the MAC rings (registered with SlotStates)
+        # FastMKA (``macattn.models.mka.patch_mka`` applied before): its per-request session summary
+        # lives in runtime-owned rows, the same slots as the method's state (registered by the engine)
         self.mka_ctx = getattr(self.model, "_mka_ctx", None)
         self.mka_state = None
         if self.mka_ctx is not None:
-            from .mka_state import MkaState
+            from macattn.methods.mka.state import MkaState
 
-            self.mka_state = MkaState.allocate(num_layers=self.num_layers, num_slots=self.ctx.state.num_slots,
+            self.mka_state = MkaState.allocate(num_layers=self.num_layers, num_slots=self.num_slots,
                                                hidden_size=hf.hidden_size, device=self.device)
-            self.mka_ctx.state = self.mka_state
+            self.mka_ctx.bind_runtime(self.mka_state, self.binding)
+        self.scratch_slot = None
+        self.scratch_block = config.num_blocks if gpu else None
         self.paged = None
         if gpu:
             from .paged_decode import PagedDecoder
 
             self.paged = PagedDecoder(self, use_cuda_graphs=config.use_cuda_graphs)
 
-    def set_slots(self, slots: torch.Tensor | None) -> None:
-        """The state rows of the requests in the next call (MAC rings and, if patched, FastMKA)."""
-        self.ctx.slots = slots
-        if self.mka_ctx is not None:
-            self.mka_ctx.slots = None if slots is None else slots.to(self.device)
+    @property
+    def num_slots(self) -> int:
+        return self.method.num_slots
+
+    def reserve_scratch(self, slot: int) -> None:
+        """The padding rows' state row on CUDA (taken from the slot registry by the engine)."""
+        self.scratch_slot = slot
+
+    def step(self, *, slots: torch.Tensor, positions: torch.Tensor | None = None, paged=None):
+        """Context manager: the model calls inside it run with these state rows / positions / plans."""
+        return self.binding.step(StepContext(slots=slots, positions=positions, paged=paged))
 
     def prefill(self, seq: Sequence) -> torch.Tensor:
         """Prefill ``seq``: an A3 fused prefill when it carries ``seq.rag``
@@ -73,25 +86,21 @@ class ModelExecutor:
         if seq.rag is not None:
             from .a3_assembly import runtime_prefill
 
-            return runtime_prefill(self, seq)
+            return runtime_prefill(PrefillIO(self, seq), seq)
         return self.prefill_plain(seq)
 
     @torch.inference_mode()
     def prefill_plain(self, seq: Sequence) -> torch.Tensor:
-        """Run ``seq.prompt`` (positions ``0 .. L-1``), write its K/V, seed its rings.
+        """Run ``seq.prompt`` (positions ``0 .. L-1``), write its K/V, seed its state.
         Returns the last position's logits ``[V]``."""
         L = len(seq.prompt)
         ids = torch.tensor([seq.prompt], dtype=torch.int64, device=self.device)
         pos = torch.arange(L, device=self.device).unsqueeze(0)
         mask = torch.ones(L, L, dtype=torch.bool, device=self.device).tril().view(1, 1, L, L)
         view = PrefillView(self.kv, self.blocks.rows(seq, 0, L))
-        self.set_slots(torch.tensor([seq.slot], dtype=torch.int64))
-        self.ctx.positions = None
-        try:
+        with self.step(slots=torch.tensor([seq.slot], dtype=torch.int64)):
             out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=view,
                              use_cache=True, logits_to_keep=1)
-        finally:
-            self.set_slots(None)
         return out.logits[0, -1]
 
     @torch.inference_mode()
@@ -109,13 +118,73 @@ class ModelExecutor:
         write = torch.stack([self.blocks.rows(s, x, x + 1)[0] for s, x in zip(seqs, m)])
         T = gather.shape[1]
         mask = (torch.arange(T, device=self.device).view(1, T) <= positions.view(B, 1)).view(B, 1, 1, T)
-        self.set_slots(torch.tensor([s.slot for s in seqs], dtype=torch.int64))
-        self.ctx.positions = positions
-        try:
+        with self.step(slots=torch.tensor([s.slot for s in seqs], dtype=torch.int64), positions=positions):
             out = self.model(input_ids=ids, position_ids=positions.view(B, 1), attention_mask=mask,
                              past_key_values=DecodeView(self.kv, write, gather), use_cache=True,
                              logits_to_keep=1)
-        finally:
-            self.set_slots(None)
-            self.ctx.positions = None
         return out.logits[:, -1]
+
+
+class _ContinueView:
+    """Paged-pool view for a continued prefill: writes the call's K/V to ``write_rows [Q]`` and
+    returns the whole prompt's ``rows [P + Q]`` as ``[1, Hkv, P + Q, d]``."""
+
+    def __init__(self, kv: PagedKVCache, write_rows: torch.Tensor, rows: torch.Tensor) -> None:
+        dev = kv.k[0].device
+        self.kv, self.write_rows, self.rows = kv, write_rows.to(dev), rows.to(dev)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.rows.numel() - self.write_rows.numel())
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        k, v = self.kv.k[layer_idx], self.kv.v[layer_idx]
+        k[self.write_rows] = key[0].transpose(0, 1).to(k.dtype)
+        v[self.write_rows] = value[0].transpose(0, 1).to(v.dtype)
+        return k[self.rows].transpose(0, 1).unsqueeze(0), v[self.rows].transpose(0, 1).unsqueeze(0)
+
+
+class PrefillIO:
+    """What a whole-request prefill may do with request ``seq`` (A3's fused prefix): write prompt
+    K/V into its paged rows and run the rest of its prompt through the bound model."""
+
+    def __init__(self, executor: ModelExecutor, seq: Sequence) -> None:
+        self._ex, self._seq = executor, seq
+
+    @property
+    def model(self):
+        return self._ex.model
+
+    @property
+    def device(self) -> torch.device:
+        return self._ex.device
+
+    @property
+    def has_fastmka(self) -> bool:
+        return self._ex.mka_ctx is not None
+
+    def prefill_plain(self) -> torch.Tensor:
+        return self._ex.prefill_plain(self._seq)
+
+    def write_kv(self, start: int, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        """Write post-RoPE ``k[l], v[l]`` ``[Hkv, n, d]`` of every layer at prompt positions ``start .. start+n-1``."""
+        n = k[0].shape[1]
+        rows = self._ex.blocks.rows(self._seq, start, start + n).to(self._ex.device)
+        for layer in range(self._ex.num_layers):
+            self._ex.kv.k[layer][rows] = k[layer].transpose(0, 1)
+            self._ex.kv.v[layer][rows] = v[layer].transpose(0, 1)
+
+    @torch.inference_mode()
+    def continue_prefill(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Run ``ids [Q]`` at positions ``start .. start+Q-1`` over the prompt K/V already written
+        (the method seeds the request's state from these tokens). Returns logits ``[V]``."""
+        ex, dev = self._ex, self._ex.device
+        Q = ids.numel()
+        L = start + Q
+        rows = ex.blocks.rows(self._seq, 0, L).to(dev)
+        pos = torch.arange(start, L, device=dev)
+        mask = (torch.arange(L, device=dev).view(1, L) <= pos.view(Q, 1)).view(1, 1, Q, L)
+        with ex.step(slots=torch.tensor([self._seq.slot], dtype=torch.int64)):
+            out = ex.model(input_ids=ids.to(dev).view(1, Q), position_ids=pos.view(1, Q), attention_mask=mask,
+                           past_key_values=_ContinueView(ex.kv, rows[start:], rows), use_cache=True,
+                           logits_to_keep=1)
+        return out.logits[0, -1]

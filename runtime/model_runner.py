@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from macattn.config import MacConfig
+from macattn.methods.mac.config import MacConfig
 
-from .config import RuntimeConfig
-from .engine import LLMEngine
-from .engine_dir import read_engine_dir
-from .sampling import SamplingParams
+from macattn.runtime.config import RuntimeConfig
+from macattn.runtime.engine import LLMEngine
+from macattn.runtime.engine_dir import read_engine_dir
+from macattn.runtime.sampling import SamplingParams
 
 __all__ = ["ModelRunner"]
 
@@ -35,7 +35,7 @@ _BEAM_KWARGS = ("num_beams", "num_return_sequences")
 class ModelRunner:
     def __init__(self, engine: LLMEngine, a3=None) -> None:
         self.engine = engine
-        self.a3 = a3                 # default macattn.a3.A3Config of chunked (``documents``) calls
+        self.a3 = a3                 # default macattn.methods.a3.reference.A3Config of chunked (``documents``) calls
         self._chunk_stores: dict = {}
 
     # --- construction ---------------------------------------------------------------------
@@ -45,7 +45,7 @@ class ModelRunner:
                 a3=None, **runtime_kwargs) -> "ModelRunner":
         """model_or_dir: a transformers ``*ForCausalLM`` (patched in place) or a directory /
         hub name for ``AutoModelForCausalLM.from_pretrained``. mac_config None = MAC off.
-        a3: ``macattn.a3.A3Config``, the default KV fusion of ``generate(..., documents=...)``."""
+        a3: ``macattn.methods.a3.reference.A3Config``, the default KV fusion of ``generate(..., documents=...)``."""
         if runtime_config is None:
             runtime_config = RuntimeConfig(**runtime_kwargs)
         elif runtime_kwargs:
@@ -106,7 +106,7 @@ class ModelRunner:
         the chunk KV store); ``question_ids`` a list of one 1-D tensor per request. Request ``i``'s
         prompt is then ``batch_input_ids[i]`` (the system prompt, may be empty) + the chunks of
         ``documents[i]`` in order + ``question_ids[i]``, and ``output_ids`` holds that whole prompt.
-        ``a3`` (``macattn.a3.A3Config``) overrides the runner's default (``A3Config()`` if none)."""
+        ``a3`` (``macattn.methods.a3.reference.A3Config``) overrides the runner's default (``A3Config()`` if none)."""
         for k in _BEAM_KWARGS:
             if k in kwargs and kwargs.pop(k) not in (None, 1):
                 raise ValueError(f"{k} must be 1: beam search is not supported")
@@ -146,9 +146,9 @@ class ModelRunner:
             if question_ids is not None or a3 is not None:
                 raise ValueError("question_ids / a3 need documents (chunked prompts)")
             return None
-        from macattn.a3 import A3Config
+        from macattn.methods.a3.reference import A3Config
 
-        from .a3_assembly import RagPrompt
+        from macattn.runtime.a3_assembly import RagPrompt
         n = len(batch_input_ids)
         for name, arg in (("documents", documents), ("question_ids", question_ids)):
             if not isinstance(arg, (list, tuple)) or len(arg) != n:
@@ -171,7 +171,7 @@ class ModelRunner:
             return None
         key = (config.store_dir, config.store_max_bytes)
         if key not in self._chunk_stores:
-            from .chunk_store import ChunkKVStore, model_fingerprint
+            from macattn.runtime.chunk_store import ChunkKVStore, model_fingerprint
 
             self._chunk_stores[key] = ChunkKVStore(config.store_dir, model_id=model_fingerprint(self.engine.model),
                                                    max_bytes=config.store_max_bytes)

@@ -9,10 +9,10 @@ inputs (token ids, positions ``m``, ring slots, page table, KV write rows), one
 with rows that point at a scratch ring slot and a scratch KV block (owned by the executor,
 never handed to a request), so padding never touches a request's state.
 
-The attention of every layer (``macattn.builder.patch``, ``ctx.paged``) runs
-``MacDecodePlan.run`` (match, device-side plan, split-KV attention over the pages, merge +
-ring append) or ``run_full`` for layers with MAC off: no host synchronisation anywhere in
-the step. Diagnostics (hit rate, skipped prefix, gap) are recorded after the step from the
+The attention of every layer (the bound method, ``StepContext.paged``) runs
+``MacDecodePlan.run`` (MAC: match, device-side plan, split-KV attention over the pages, merge +
+ring append) or ``run_full`` (MAC off in a layer, and the full-attention method): no host
+synchronisation anywhere in the step. Diagnostics (hit rate, skipped prefix, gap) are recorded after the step from the
 per-layer ``match_pos`` buffers of the real rows.
 """
 from __future__ import annotations
@@ -21,9 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv_cache import PagedWriteView
+from macattn.methods.mac.backend import MacAttention
+from macattn.runtime.kv_cache import PagedWriteView
 
 __all__ = ["DecodeBucket", "PagedDecoder"]
+
+FULL_PLAN = "full"   # the plan key of the full-attention method (an attend-only plan)
 
 
 @dataclass
@@ -48,8 +51,12 @@ class DecodeBucket:
     logits: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
 
+    def attend_full(self, q, k_pages, v_pages, positions):
+        """Full attention over ``[0, m]`` of every request (the full-attention method)."""
+        return self.plans[FULL_PLAN].run_full(q, k_pages, v_pages, positions, page_table=self.page_table, check=False)
+
     def attend(self, layer, params, q, q_pre, k_pages, v_pages, positions, slots, rings):
-        """The layer's attention for this bucket (called by the patched attention, ``ctx.paged``)."""
+        """The layer's MAC attention for this bucket (called by ``MacAttention.decode``)."""
         plan = self.plans[(params.window, params.band, params.tau)]
         if params.enabled:
             out, match_pos, _ = plan.run(q, q_pre, k_pages, v_pages, positions, slots, *rings,
@@ -96,14 +103,21 @@ class PagedDecoder:
             page_table=torch.full((nb, self.max_pages), ex.scratch_block, dtype=torch.int32, device=dev),
             write_rows=torch.full((nb,), ex.scratch_block * ex.config.block_size, dtype=torch.int64, device=dev),
             mask=torch.ones(nb, 1, 1, 1, dtype=torch.bool, device=dev))
-        for layer in range(ex.num_layers):
-            p = ex.ctx.config.for_layer(layer)
-            key = (p.window, p.band, p.tau)
-            if key not in b.plans:
-                b.plans[key] = self._plan_cls(
-                    batch_size=nb, max_context=ex.config.max_seq_len, num_q_heads=hf.num_attention_heads,
-                    num_kv_heads=hf.num_key_value_heads, head_dim=ex.head_dim, window=p.window, band=p.band,
-                    tau=p.tau, page_size=ex.config.block_size, q_dtype=ex.dtype, device=dev)
+        def plan(window: int, band: int, tau: float | None):
+            return self._plan_cls(
+                batch_size=nb, max_context=ex.config.max_seq_len, num_q_heads=hf.num_attention_heads,
+                num_kv_heads=hf.num_key_value_heads, head_dim=ex.head_dim, window=window, band=band,
+                tau=tau, page_size=ex.config.block_size, q_dtype=ex.dtype, device=dev)
+
+        method = ex.method
+        if isinstance(method, MacAttention):
+            for layer in range(ex.num_layers):
+                p = method.config.for_layer(layer)
+                key = (p.window, p.band, p.tau)
+                if key not in b.plans:
+                    b.plans[key] = plan(p.window, p.band, p.tau)
+        else:
+            b.plans[FULL_PLAN] = plan(1, 0, None)
         if self.use_cuda_graphs:
             # warm-up and capture on scratch rows only (slot, block, position 0): no request state is touched
             s = torch.cuda.Stream(dev)
@@ -119,15 +133,9 @@ class PagedDecoder:
 
     def _forward(self, b: DecodeBucket) -> torch.Tensor:
         ex = self.ex
-        ctx = ex.ctx
-        ex.set_slots(b.slots)
-        ctx.positions, ctx.paged = b.positions, b
-        try:
+        with ex.step(slots=b.slots, positions=b.positions, paged=b):
             out = ex.model(input_ids=b.ids, position_ids=b.positions.view(b.nb, 1), attention_mask=b.mask,
                            past_key_values=PagedWriteView(ex.kv, b.write_rows), use_cache=True, logits_to_keep=1)
-        finally:
-            ex.set_slots(None)
-            ctx.positions = ctx.paged = None
         return out.logits[:, -1]
 
     # --- one step --------------------------------------------------------------------------
@@ -159,11 +167,10 @@ class PagedDecoder:
             logits = b.logits[:B].clone()
         else:
             logits = self._forward(b)[:B]
-        ctx = ex.ctx
-        if ctx.collect_diagnostics:
+        method = ex.method
+        if isinstance(method, MacAttention):
             for layer, mp in b.match_pos.items():
-                p = ctx.config.for_layer(layer)
-                ctx.state.diagnostics.record(layer, mp[:B], b.positions[:B], p.band)
-        for layer, mp in b.match_pos.items():
-            ctx.last_match_pos[layer] = mp[:B]
+                if method.collect_diagnostics:
+                    method.state.diagnostics.record(layer, mp[:B], b.positions[:B], method.config.for_layer(layer).band)
+                method.last_match_pos[layer] = mp[:B]
         return logits

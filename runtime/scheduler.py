@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from .block_manager import BlockManager
-from .sequence import Sequence, SequenceStatus
-from .slots import SlotStates
+from macattn.runtime.block_manager import BlockManager
+from macattn.runtime.sequence import Sequence, SequenceStatus
+from macattn.runtime.slots import SlotStates
 
 __all__ = ["Scheduler"]
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams
+from macattn.runtime.sampling import SamplingParams
 
 __all__ = ["SequenceStatus", "Sequence"]
 

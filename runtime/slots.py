@@ -1,30 +1,18 @@
 """Per-request state slots: one registry, one acquire/release protocol for every kind of state.
 
-A request owns one slot index from admission to finish. ``SlotStates`` hands slots out
-through ``MacState.acquire`` / ``MacState.release`` (which reset the MAC rings) and calls
-``reset(slot)`` on every other registered per-slot state at both ends — e.g. FastMKA's
-running session summary (SPEC §2: ``L2_t``, a causal prefix mean/EMA per layer) is a
-``TensorSlotState`` registered next to the rings. Nothing a request leaves behind is
-visible to the slot's next owner.
+A request owns one slot index from admission to finish. ``SlotStates`` hands slots out and calls
+``reset(slot)`` on every registered per-slot state at both ends — the method's state (MAC rings,
+retrieval-completion rows, …, from ``AttentionMethod.slot_states()``) and e.g. FastMKA's running
+session summary (SPEC §2: ``L2_t``, a causal prefix mean/EMA per layer). Nothing a request
+leaves behind is visible to the slot's next owner.
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
-
 import torch
 
-from .state import MacState
+from macattn.methods.base import PerSlotState
 
 __all__ = ["PerSlotState", "TensorSlotState", "SlotStates"]
-
-
-@runtime_checkable
-class PerSlotState(Protocol):
-    """Anything with ``num_slots`` rows that can be emptied per slot."""
-
-    num_slots: int
-
-    def reset(self, slot: int) -> None: ...
 
 
 class TensorSlotState:
@@ -48,17 +36,13 @@ class TensorSlotState:
 
 
 class SlotStates:
-    """The registry: MAC rings (optional) plus named per-slot states, all with ``num_slots`` rows."""
+    """The registry: named per-slot states, all with ``num_slots`` rows, and the free list."""
 
-    def __init__(self, num_slots: int, mac: MacState | None = None) -> None:
-        if mac is not None and mac.num_slots != num_slots:
-            raise ValueError(f"MacState has {mac.num_slots} slots, registry has {num_slots}")
+    def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
-        self.mac = mac
         self.states: dict[str, PerSlotState] = {}
-        self._free = list(range(num_slots - 1, -1, -1))   # used only without a MacState
-        # slots the MacState already lent out (e.g. the GPU executor's padding scratch) stay taken
-        self._in_use: set[int] = set() if mac is None else set(mac.in_use.nonzero().flatten().tolist())
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._in_use: set[int] = set()
 
     def register(self, name: str, state: PerSlotState) -> PerSlotState:
         if not isinstance(state, PerSlotState):
@@ -78,12 +62,9 @@ class SlotStates:
 
     def acquire(self) -> int:
         """A free slot with every registered state reset; raises ``RuntimeError`` if none is free."""
-        if self.mac is not None:
-            slot = self.mac.acquire()
-        else:
-            if not self._free:
-                raise RuntimeError(f"no free slot: all {self.num_slots} are in use")
-            slot = self._free.pop()
+        if not self._free:
+            raise RuntimeError(f"no free slot: all {self.num_slots} are in use")
+        slot = self._free.pop()
         for state in self.states.values():
             state.reset(slot)
         self._in_use.add(slot)
@@ -95,8 +76,5 @@ class SlotStates:
             raise ValueError(f"slot {slot} is not in use")
         for state in self.states.values():
             state.reset(slot)
-        if self.mac is not None:
-            self.mac.release(slot)
-        else:
-            self._free.append(slot)
+        self._free.append(slot)
         self._in_use.discard(slot)

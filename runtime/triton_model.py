@@ -76,7 +76,7 @@ class TritonPythonModel:
         _add_site_dirs(json.loads(params.get("sys_path", "[]")))
         import torch
 
-        from macattn.config import MacConfig
+        from macattn.methods.mac.config import MacConfig
         from macattn.runtime import ModelRunner, RuntimeConfig
 
         threads = int(params.get("torch_num_threads", "0"))
@@ -89,7 +89,7 @@ class TritonPythonModel:
         mac = MacConfig.from_dict(json.loads(params["mac_config"])) if "mac_config" in params else None
         self.engine = ModelRunner.from_dir(params["engine_dir"], mac_config=mac, runtime_config=rc).engine
         # A3 chunked prompts (optional input rag_lengths): fusion config from the a3_config parameter
-        from macattn.a3 import A3Config
+        from macattn.methods.a3.reference import A3Config
         from macattn.runtime.chunk_store import ChunkKVStore, model_fingerprint
 
         self.a3 = A3Config(**json.loads(params["a3_config"])) if "a3_config" in params else A3Config()

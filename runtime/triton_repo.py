@@ -29,9 +29,9 @@ import site
 import sys
 from pathlib import Path
 
-from macattn.config import MacConfig
+from macattn.methods.mac.config import MacConfig
 
-from .engine_dir import read_engine_dir
+from macattn.runtime.engine_dir import read_engine_dir
 
 __all__ = ["default_sys_path", "write_model_repository"]
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from macattn.checkpoint import builtin_checkpoint_available
+from macattn.models.checkpoint import builtin_checkpoint_available
 
 ROOT = Path(__file__).resolve().parents[1]
 

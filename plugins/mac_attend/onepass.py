@@ -20,7 +20,7 @@ Parameter order is the plugin's: inputs, int32 scalars, outputs, then constexprs
     ring_pos [S, K] i64, B, T, out [B, Hq, d] (q's dtype), qring_out, oring_out,
     ring_lse_out, ring_pos_out (aliases of the four ring inputs: the same buffers)
 
-All tensors contiguous. Grid ``(B, Hkv, 1)``. Semantics: ``macattn.mac.mac_attend_reference``
+All tensors contiguous. Grid ``(B, Hkv, 1)``. Semantics: ``macattn.methods.mac.reference.mac_attend_reference``
 followed by ``ring_append_reference``.
 """
 import triton

@@ -147,7 +147,7 @@ def register_tensorrt(trtp, to_torch_dtype, to_trt_dtype) -> None:
                      match_pos: trtp.Tensor, slots: trtp.Tensor, qring: trtp.Tensor, oring: trtp.Tensor,
                      ring_lse: trtp.Tensor, ring_pos: trtp.Tensor, band: int, scale: float,
                      outputs: Tuple[trtp.Tensor], stream: int) -> None:
-        import macattn.ops  # noqa: F401
+        import macattn.methods.mac.ops  # noqa: F401
 
         t = [torch.as_tensor(x, device="cuda")
              for x in (q, q_pre, k, v, positions, match_pos, slots, qring, oring, ring_lse, ring_pos)]

@@ -12,7 +12,7 @@ Parameter order is the plugin's: inputs, int32 scalars, outputs, then constexprs
     q_pre [B, Hq, d], qring [S, Hq, K, d], ring_lse [S, Hq, K] fp32, ring_pos [S, K] int64,
     slots [B] int64, positions [B] int64, B, match_pos [B, Hq] int64, dist [B, Hq] fp32
 
-All tensors contiguous. Grid ``(B, Hq, 1)``. Semantics: ``macattn.mac.mac_match_reference``.
+All tensors contiguous. Grid ``(B, Hq, 1)``. Semantics: ``macattn.methods.mac.reference.mac_match_reference``.
 """
 import triton
 import triton.language as tl

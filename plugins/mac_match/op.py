@@ -23,7 +23,7 @@ def _scratch(dev: torch.device, n: int) -> tuple[torch.Tensor, ...]:
 def mac_match_triton(q_pre: torch.Tensor, qring: torch.Tensor, ring_lse: torch.Tensor, ring_pos: torch.Tensor,
                      slots: torch.Tensor, positions: torch.Tensor, band: int, tau: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``macattn.mac.mac_match_reference``: ``(match_pos [B, Hq] int64, dist [B, Hq] fp32)``.
+    """Same contract as ``macattn.methods.mac.reference.mac_match_reference``: ``(match_pos [B, Hq] int64, dist [B, Hq] fp32)``.
 
     One launch (partials over ring splits; the last program reduces them); no host sync, so it
     can be captured in a CUDA graph. Values of ``slots``/``positions`` are not range-checked.

@@ -111,7 +111,7 @@ def register_tensorrt(trtp, to_torch_dtype, to_trt_dtype) -> None:
     def _match_impl(q_pre: trtp.Tensor, qring: trtp.Tensor, ring_lse: trtp.Tensor, ring_pos: trtp.Tensor,
                     slots: trtp.Tensor, positions: trtp.Tensor, band: int, tau: float,
                     outputs: Tuple[trtp.Tensor], stream: int) -> None:
-        import macattn.ops  # noqa: F401
+        import macattn.methods.mac.ops  # noqa: F401
 
         t = [torch.as_tensor(x, device="cuda") for x in (q_pre, qring, ring_lse, ring_pos, slots, positions)]
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):

@@ -1,4 +1,4 @@
-"""Triton kernels of retrieval-completion (SPEC §3); the math is ``macattn.completion``'s.
+"""Triton kernels of retrieval-completion (SPEC §3); the math is ``macattn.methods.completion.reference``'s.
 
 Per-row ranges (``N = n_prefill[b]``, ``L = seq_lens[b]``): mid ``[s0, m1)`` with
 ``s0 = min(n_sink, N)``, ``m1 = max(s0, N - n_tail)``; exact anchors ``[0, s0) ∪ [m1, L)``.

@@ -1,5 +1,5 @@
 """CUDA implementations of ``macattn::completion_cache`` and ``macattn::retrieval_completion``
-(registered by ``macattn.plugins.registration``); contracts in ``macattn.ops_completion``.
+(registered by ``macattn.plugins.registration``); contracts in ``macattn.methods.completion.ops``.
 
 A decode step is four launches and no host sync (CUDA-graph capturable): ``_mid_logits``,
 ``torch.topk`` over them (``k = min(top_k, T)``, one row per query head), ``_decode_partial``
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from macattn.ops_completion import (check_completion_cache_inputs, check_retrieval_completion_inputs,
+from macattn.methods.completion.ops import (check_completion_cache_inputs, check_retrieval_completion_inputs,
                                     resolve_scale)
 
 from .._triton_util import interpreting, num_sms
@@ -42,7 +42,7 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 def completion_cache_triton(log_phi_k, v_cache, n_prefill, n_sink: int, n_tail: int):
-    """Same contract as ``macattn.ops_completion.completion_cache``; one launch, grid ``(B, Hkv)``."""
+    """Same contract as ``macattn.methods.completion.ops.completion_cache``; one launch, grid ``(B, Hkv)``."""
     check_completion_cache_inputs(log_phi_k, v_cache, n_prefill, n_sink, n_tail)
     B, H, T, F = log_phi_k.shape
     d = v_cache.shape[3]
@@ -80,7 +80,7 @@ def mid_topk_triton(q, k_cache, n_prefill, n_sink: int, n_tail: int, top_k: int,
 
 def retrieval_completion_triton(q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A, comp_b,
                                 comp_shift, n_sink: int, n_tail: int, top_k: int, scale: float):
-    """Same contract as ``macattn.ops_completion.retrieval_completion``: ``out [B, Hq, d]`` in q's dtype."""
+    """Same contract as ``macattn.methods.completion.ops.retrieval_completion``: ``out [B, Hq, d]`` in q's dtype."""
     check_retrieval_completion_inputs(q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A,
                                       comp_b, comp_shift, n_sink, n_tail, top_k, scale)
     B, Hq, d = q.shape

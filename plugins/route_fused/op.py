@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from macattn.ops_mka import check_route_fused_inputs
+from macattn.methods.mka.ops import check_route_fused_inputs
 
 from .kernel import _project, _route_update_fuse
 
@@ -15,7 +15,7 @@ _alloc = torch.empty   # the tests swap in a NaN-filling allocator to check ever
 
 def route_fused_attention_triton(x, q, w1, b1, w2, b2, gate, state_mean, state_count, slots, wk, bk, wv, bv,
                                  mode: int, beta: float):
-    """Same contract as ``macattn.ops_mka.route_fused_attention``: ``(k, v, lam)``; three launches,
+    """Same contract as ``macattn.methods.mka.ops.route_fused_attention``: ``(k, v, lam)``; three launches,
     no host sync (CUDA-graph capturable). The projection reads each
     weight tile once per 8 requests (GEMV-bound decode). Values of ``slots`` are not range-checked."""
     check_route_fused_inputs(x, q, w1, b1, w2, b2, gate, state_mean, state_count, slots, wk, bk, wv, bv, mode, beta)

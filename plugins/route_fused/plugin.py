@@ -84,7 +84,7 @@ def register_tensorrt(trtp, to_torch_dtype, to_trt_dtype) -> None:
               gate: trtp.Tensor, state_mean: trtp.Tensor, state_count: trtp.Tensor, slots: trtp.Tensor,
               wk: trtp.Tensor, bk: trtp.Tensor, wv: trtp.Tensor, bv: trtp.Tensor, mode: int, beta: float,
               outputs: Tuple[trtp.Tensor], stream: int) -> None:
-        import macattn.ops_mka  # noqa: F401
+        import macattn.methods.mka.ops  # noqa: F401
         t = [torch.as_tensor(a, device="cuda") for a in (x, q, w1, b1, w2, b2, gate, state_mean, state_count, slots,
                                                          wk, bk, wv, bv)]
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):

@@ -5,8 +5,8 @@ kernels and TensorRT plugin definitions in ``macattn.plugins``; model patching, 
 export and engine building in ``macattn.builder``; state, generation and serving in
 ``macattn.runtime``.
 """
-from .config import LayerMacParams, MacConfig
-from .summaries import AttentionSummary, merge_summaries, remove_summary, summarize
+from macattn.methods.mac.config import LayerMacParams, MacConfig
+from macattn.core.summaries import AttentionSummary, merge_summaries, remove_summary, summarize
 
 __version__ = "0.1.0"
 __all__ = ["AttentionSummary", "LayerMacParams", "MacConfig", "merge_summaries", "remove_summary",

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import CONTEXT_HEAVY_TAU, MacConfig
-from .generate import TRAINED, run_generate
+from macattn.methods.mac.config import CONTEXT_HEAVY_TAU, MacConfig
+from macattn.apps.generate import TRAINED, run_generate
 
 __all__ = ["main"]
 
@@ -78,8 +78,8 @@ def _cmd_build(args) -> int:
 
 
 # modules whose register(sub) adds their own subcommands (training and evaluation tools)
-COMMAND_MODULES = ("macattn.finetune_mka", "macattn.distill_completion", "macattn.evaluation.harness",
-                   "macattn.evaluation.recurrence", "macattn.tune")
+COMMAND_MODULES = ("macattn.apps.finetune_mka", "macattn.apps.distill_completion", "macattn.evaluation.harness",
+                   "macattn.evaluation.recurrence", "macattn.apps.tune")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,10 +25,10 @@ from macattn.builder.onnx_export import (check_onnx, count_custom_nodes, example
                                          export_decode_onnx)
 from macattn.builder.onnx_ops import replace_auto_functionalized  # noqa: E402
 from macattn.builder.onnx_ort import ort_session, run_session  # noqa: E402
-from macattn.builder.patch import patch_model  # noqa: E402
+from macattn.models.attention import binding_of, patch_model  # noqa: E402
 from macattn.cli import main  # noqa: E402
-from macattn.config import MacConfig  # noqa: E402
-from macattn.models import build_builtin_model  # noqa: E402
+from macattn.methods.mac.config import MacConfig  # noqa: E402
+from macattn.models.builtin import build_builtin_model  # noqa: E402
 
 SMALL = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, vocab_size=512)
@@ -49,7 +49,7 @@ def _close(a, b, what, atol=1e-4):
 
 def _decode_and_compare(model, decode_path, *, prefill_path=None, mac_on=True):
     """Prefill (HF patched model; ONNX prefill too if given) then STEPS decode steps, ONNX vs torch."""
-    ctx = model._macattn_ctx
+    ctx = binding_of(model).method
     ids = _ids()
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
@@ -211,7 +211,7 @@ def test_mac_off_graph_equals_full_attention(tmp_path):
     assert info.custom_nodes == {"MacAttend": N}        # no match node when MAC is off
     _decode_and_compare(model, info.path, mac_on=False)
     # and the patched model's decode logits (checked equal to ONNX above) equal full attention
-    model._macattn_ctx.end_batch()
+    binding_of(model).method.release()
     with torch.no_grad():
         mac_off = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=STEPS + 1,
                                  do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)

@@ -10,7 +10,7 @@ pytest.importorskip("onnxscript")
 from macattn.builder.onnx_ops_completion import (COMPLETION_CACHE, RETRIEVAL_COMPLETION,  # noqa: E402
                                                  custom_translation_table_completion,
                                                  register_onnx_schemas_completion)
-from macattn.completion import build_completion_cache_batched, retrieval_completion_step  # noqa: E402
+from macattn.methods.completion.reference import build_completion_cache_batched, retrieval_completion_step  # noqa: E402
 from macattn.plugins.retrieval_completion.plugin import (CACHE_INPUTS, STEP_INPUTS,  # noqa: E402
                                                          completion_cache_output_specs,
                                                          retrieval_completion_output_specs)

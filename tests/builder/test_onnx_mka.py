@@ -7,7 +7,7 @@ pytest.importorskip("onnxscript")
 
 from macattn.builder.onnx_ops_mka import (INPUTS, OUTPUTS, ROUTE_FUSED, custom_translation_table_mka,  # noqa: E402
                                           register_onnx_schemas_mka, route_fused_attention_functional)
-from macattn.mka import route_fused_decode_reference  # noqa: E402
+from macattn.methods.mka.reference import route_fused_decode_reference  # noqa: E402
 
 
 class _Step(torch.nn.Module):

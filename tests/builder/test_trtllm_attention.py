@@ -8,7 +8,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from macattn.builder import trtllm_attention as ta
-from macattn.config import MacConfig
+from macattn.methods.mac.config import MacConfig
 from macattn.plugins.mac_attend import plugin as attend_plugin
 from macattn.plugins.mac_match import plugin as match_plugin
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from macattn.builder import trtllm_build as tb
-from macattn.config import MacConfig
+from macattn.methods.mac.config import MacConfig
 from macattn.plugins.mac_attend import plugin as attend_plugin
 from macattn.plugins.mac_match import plugin as match_plugin
 

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from macattn.mac import mac_attend_reference, mac_match_reference, ring_append_reference
+from macattn.methods.mac.reference import mac_attend_reference, mac_match_reference, ring_append_reference
 
 REL_TOL = 1e-2
 BF16 = torch.bfloat16

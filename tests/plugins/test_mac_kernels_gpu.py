@@ -1,4 +1,4 @@
-"""Triton MAC kernels (``macattn.plugins``) against the fp32/fp64 reference (``macattn.mac``).
+"""Triton MAC kernels (``macattn.plugins``) against the fp32/fp64 reference (``macattn.methods.mac.reference``).
 
 Every test is ``@pytest.mark.gpu`` and skipped without CUDA or triton. For debugging the
 kernel logic on a CPU, ``MACATTN_TRITON_INTERPRET=1`` runs the same tests through
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from triton_env import DEVICE, GPU_MARKS, INTERPRET  # noqa: E402  (first: sets the interpreter switch)
-from macattn.mac import full_attention_reference  # noqa: E402
+from macattn.methods.mac.reference import full_attention_reference  # noqa: E402
 
 pytestmark = GPU_MARKS
 

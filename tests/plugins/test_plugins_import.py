@@ -7,7 +7,7 @@ def test_import_without_triton_registers_nothing():
     code = ("import sys; sys.modules['triton'] = None\n"      # makes `import triton` raise ImportError
             "import macattn.plugins as p, macattn.plugins.mac_match, macattn.plugins.mac_attend\n"
             "assert p.HAVE_TRITON is False and p.REGISTERED == (), (p.HAVE_TRITON, p.REGISTERED)\n"
-            "import torch, macattn.ops\n"
+            "import torch, macattn.methods.mac.ops\n"
             "q = torch.randn(1, 2, 8)\n"
             "mp, dist = torch.ops.macattn.mac_match(q, torch.randn(1, 2, 4, 8), torch.zeros(1, 2, 4),\n"
             "    torch.full((1, 4), -1), torch.zeros(1, dtype=torch.long), torch.tensor([3]), 1, 0.5)\n"

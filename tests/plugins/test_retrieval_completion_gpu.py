@@ -1,5 +1,5 @@
 """Triton ``macattn::retrieval_completion`` / ``macattn::completion_cache`` against the fp64 reference
-(``macattn.completion``).
+(``macattn.methods.completion.reference``).
 
 ``@pytest.mark.gpu``, skipped without CUDA or triton; ``MACATTN_TRITON_INTERPRET=1`` runs the same
 tests through Triton's interpreter on CPU tensors. Inputs are fresh random draws per case; every
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from triton_env import DEVICE, GPU_MARKS, INTERPRET  # noqa: E402  (first: sets the interpreter switch)
-from macattn.completion import build_completion_cache_batched, hybrid_decode_step, partition  # noqa: E402
+from macattn.methods.completion.reference import build_completion_cache_batched, hybrid_decode_step, partition  # noqa: E402
 
 pytestmark = GPU_MARKS
 

@@ -1,4 +1,4 @@
-"""Triton ``macattn::route_fused_attention`` against the fp64 reference (``macattn.mka``).
+"""Triton ``macattn::route_fused_attention`` against the fp64 reference (``macattn.methods.mka.reference``).
 
 ``@pytest.mark.gpu``, skipped without CUDA or triton; ``MACATTN_TRITON_INTERPRET=1`` runs the
 same tests through Triton's interpreter on CPU tensors. Inputs are fresh random draws, outputs
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from triton_env import DEVICE, GPU_MARKS, INTERPRET  # noqa: E402  (first: sets the interpreter switch)
-from macattn.mka import route_fused_decode_reference  # noqa: E402
+from macattn.methods.mka.reference import route_fused_decode_reference  # noqa: E402
 
 pytestmark = GPU_MARKS
 
@@ -109,7 +109,7 @@ def test_route_fused_op_dispatches_to_triton():
     if INTERPRET:
         pytest.skip("dispatch to the CUDA kernel needs a CUDA device")
     import macattn.plugins  # noqa: F401  (registers the CUDA kernel)
-    import macattn.ops_mka  # noqa: F401
+    import macattn.methods.mka.ops  # noqa: F401
     ins, mean, count, slots = _problem(2, 64, 64, 8, 32, 3, torch.bfloat16, seed=3, gate=0.5)
     dev = {k: v.cuda() for k, v in ins.items()}
     m1, c1 = mean.cuda(), count.cuda()

@@ -1,8 +1,8 @@
 """Shared tiny model and prompts for the runtime tests (2 layers, hidden 64, vocab 256, fp64)."""
 import torch
 
-from macattn.config import MacConfig
-from macattn.models import build_builtin_model
+from macattn.methods.mac.config import MacConfig
+from macattn.models.builtin import build_builtin_model
 
 TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256)

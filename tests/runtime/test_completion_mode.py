@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from macattn.completion import CompletionConfig, token_equivalents
-from macattn.distill_completion import maps_for_model
+from macattn.methods.completion.reference import CompletionConfig, token_equivalents
+from macattn.apps.distill_completion import maps_for_model
 from macattn.runtime.completion_mode import CompletionDecoder, completion_op
-from macattn.runtime.completion_state import CompletionState
+from macattn.methods.completion.state import CompletionState
 
 from _tiny import prompts, tiny_model
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from macattn.completion import CompletionConfig
-from macattn.distill_completion import maps_for_model
+from macattn.methods.completion.reference import CompletionConfig
+from macattn.apps.distill_completion import maps_for_model
 from macattn.runtime.completion_mode import CompletionDecoder
 
 from _tiny import prompts, tiny_model

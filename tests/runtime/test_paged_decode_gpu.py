@@ -17,8 +17,8 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from macattn.config import MacConfig  # noqa: E402
-from macattn.models import build_builtin_model  # noqa: E402
+from macattn.methods.mac.config import MacConfig  # noqa: E402
+from macattn.models.builtin import build_builtin_model  # noqa: E402
 from macattn.runtime.config import RuntimeConfig  # noqa: E402
 from macattn.runtime.engine import LLMEngine, StepOutput  # noqa: E402
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from _tiny import MAC, TINY, prompts, tiny_model
 
-from macattn.config import MacConfig
+from macattn.methods.mac.config import MacConfig
 from macattn.runtime import (LLMEngine, ModelRunner, RuntimeConfig, SamplingParams, SlotStates,
                              TensorSlotState, read_engine_dir, write_engine_dir)
 

@@ -68,7 +68,7 @@ def test_reused_slot_never_matches_previous_request(engine):
         rq, ro, rl, rp = st.layer(layer)
         rq[slot], rp[slot], rl[slot] = q, pos, lse
         ro[slot] = float("nan")
-    assert st._free[-1] == slot                     # the next acquire hands out this slot
+    assert engine.slot_states._free[-1] == slot     # the next acquire hands out this slot
     diag.reset()
     rid2 = engine.add_request(p, max_new_tokens=NEW)
     engine.step()

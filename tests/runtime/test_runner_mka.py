@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from macattn.mka import MkaConfig
-from macattn.mka_patch import patch_mka
+from macattn.methods.mka.reference import MkaConfig
+from macattn.models.mka import patch_mka
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.engine import LLMEngine
 

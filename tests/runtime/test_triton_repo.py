@@ -5,7 +5,7 @@ import pytest
 from _tiny import MAC, tiny_model
 
 from macattn.cli import main
-from macattn.config import MacConfig
+from macattn.methods.mac.config import MacConfig
 from macattn.runtime import write_engine_dir
 from macattn.runtime.triton_repo import write_model_repository
 

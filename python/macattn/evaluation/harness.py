@@ -35,12 +35,12 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ..config import MacConfig
-from ..generate import greedy_decode
-from ..mac_completion import MissCompletionConfig
-from . import tasks as T
-from ..a3 import A3Config
-from .methods import A3Fusion, EvalMethod, Mac, RetrievalCompletion
+from macattn.methods.mac.config import MacConfig
+from macattn.apps.generate import greedy_decode
+from macattn.methods.mac.completion_on_miss import MissCompletionConfig
+from macattn.evaluation import tasks as T
+from macattn.methods.a3.reference import A3Config
+from macattn.evaluation.methods import A3Fusion, EvalMethod, Mac, RetrievalCompletion
 
 __all__ = ["EvalSettings", "PRESETS", "make_samples", "run_eval", "band_sweep", "plot", "load_eval_model",
            "register", "byte_encoder"]
@@ -312,14 +312,14 @@ def load_eval_model(which: str, *, seed: int = 0, haystack: str | None = None):
     (recorded in the description).
     """
     if which == "random":
-        from ..models import build_builtin_model
+        from macattn.models.builtin import build_builtin_model
 
         model = build_builtin_model("llama", seed=seed)
         encode = byte_encoder(model.config.vocab_size)
         bos = []
         ckpt = None
     else:
-        from ..checkpoint import BUILTIN_CHECKPOINT_DIR, load_builtin_checkpoint
+        from macattn.models.checkpoint import BUILTIN_CHECKPOINT_DIR, load_builtin_checkpoint
 
         ckpt = BUILTIN_CHECKPOINT_DIR if which == "trained" else Path(which)
         model, tok = load_builtin_checkpoint(ckpt)
@@ -357,7 +357,7 @@ def _cmd_eval(args) -> int:
                                 feature_dim=args.feature_dim)
     maps = None
     if args.feature_maps:
-        from ..completion_maps import load_feature_maps
+        from macattn.methods.completion.feature_maps import load_feature_maps
 
         maps = load_feature_maps(args.feature_maps)
     methods: list[EvalMethod] = [Mac(MacConfig(window=args.window, band=args.band, tau=t), gen_len=settings.gen)

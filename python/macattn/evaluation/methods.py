@@ -1,7 +1,7 @@
 """The decode methods ``macattn eval`` compares, behind one small interface.
 
 A method is an ``EvalMethod``: ``attach(model)`` is a context manager that patches the model
-(``macattn.builder.patch.patch_model`` supplies the pre-RoPE query capture, the prefill and
+(``macattn.models.attention.patch_model`` supplies the pre-RoPE query capture, the prefill and
 ring seeding) and yields a ``Recorder`` (``None`` for the unpatched full-attention baseline).
 While attached, every decode step of every layer goes through ``method.decode`` under the
 attention name ``"macattn_eval"``; the recorder then keeps, per layer, the attention-output
@@ -10,9 +10,9 @@ prefix, and the KV read in token-equivalents. Adding a method is a subclass with
 ``decode`` and (optionally) ``prefill``:
 
 * ``FullAttention`` — the baseline (no patch);
-* ``Mac`` — MAC (``macattn.mac.mac_decode_step_reference``), any ``MacConfig`` including
-  per-layer overrides and ``miss_policy="completion"`` (``macattn.mac_completion``);
-* ``RetrievalCompletion`` — SPEC §3 on every step (``macattn.completion.hybrid_decode_step``);
+* ``Mac`` — MAC (``macattn.methods.mac.reference.mac_decode_step_reference``), any ``MacConfig`` including
+  per-layer overrides and ``miss_policy="completion"`` (``macattn.methods.mac.completion_on_miss``);
+* ``RetrievalCompletion`` — SPEC §3 on every step (``macattn.methods.completion.reference.hybrid_decode_step``);
 * ``A3Fusion`` — SPEC §4: the prompt cut into ``[system, chunks, question]``, each chunk's K/V
   computed alone (as a chunk store holds it), fused prefill, then full-attention decode. It changes
   the prompt's K/V, not the decode, so it overrides ``run`` and records no per-layer statistics.
@@ -24,17 +24,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..a3 import A3Config, FusionMethod
-from ..completion import build_completion_cache_batched, hybrid_decode_step, partition, token_equivalents
-from ..config import MacConfig
-from ..mac import full_attention_reference, mac_decode_step_reference
-from ..completion_maps import CompletionFeatureMaps
-from ..mac_completion import CompletionOnMiss, MissCompletionConfig, random_feature_maps
+from macattn.methods.a3.reference import A3Config, FusionMethod
+from macattn.methods.completion.reference import build_completion_cache_batched, hybrid_decode_step, partition, token_equivalents
+from macattn.methods.mac.config import MacConfig
+from macattn.core.attention import check_no_padding, full_attention_reference
+from macattn.methods.base import AttentionMethod, Capabilities, ModelDims
+from macattn.methods.mac.backend import MacAttention
+from macattn.methods.mac.reference import mac_decode_step_reference
+from macattn.models.attention import bind, unbind
+from macattn.methods.completion.feature_maps import CompletionFeatureMaps
+from macattn.methods.mac.completion_on_miss import CompletionOnMiss, MissCompletionConfig, random_feature_maps
 
-__all__ = ["EVAL_IMPL", "Recorder", "EvalMethod", "FullAttention", "Mac", "RetrievalCompletion", "A3Fusion"]
-
-EVAL_IMPL = "macattn_eval"
-
+__all__ = ["Recorder", "EvalMethod", "FullAttention", "Mac", "RetrievalCompletion", "A3Fusion"]
 
 @dataclass
 class Recorder:
@@ -86,36 +87,49 @@ class Recorder:
                 self.hit_gap_error.append((layer, int(g), e))
 
 
-def _eval_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function ``"macattn_eval"``: prefill through the MAC patch (seeds the
-    rings), decode through the attached method."""
-    from macattn.builder.patch import _check_no_padding, _mac_attention_forward
+class _EvalAttention(AttentionMethod):
+    """The attached ``EvalMethod`` as an ``AttentionMethod``: prefill through MAC (seeds the
+    rings the MAC methods match against), decode through ``method.decode``; every decode step
+    is recorded against full attention on the same inputs."""
 
-    ctx = module._macattn_ctx
-    method: EvalMethod = ctx.eval_method
-    layer = module.layer_idx
-    B, Hq, T, d = query.shape
-    if T > 1:
-        out = _mac_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                     **kwargs)
-        method.prefill(layer, key, value)
+    name = "eval"
+    config_type = MacConfig
+    capabilities = Capabilities(needs_pre_rope_query=True)
+
+    def __init__(self, method: "EvalMethod", dims: ModelDims) -> None:
+        super().__init__(method.mac_config, dims, num_slots=1)
+        self.method = method
+        self.mac = MacAttention(method.mac_config, dims, num_slots=1)
+
+    def prefill(self, module, layer, query, key, value, q_pre, attention_mask, scale, step, fallback, **kwargs):
+        out = self.mac.prefill(module, layer, query, key, value, q_pre, attention_mask, scale, step, fallback,
+                               **kwargs)
+        self.method.prefill(layer, key, value)
         return out
-    _check_no_padding(attention_mask)
-    q_pre = ctx.q_pre.pop(layer).view(B, Hq, d)
-    positions = torch.full((B,), key.shape[2] - 1, dtype=torch.int64, device=query.device)
-    q = query[:, :, 0]
-    out, read, match_pos, band = method.decode(ctx, layer, q, q_pre, key, value, positions, float(scaling))
-    if method.recorder is not None and method.recorder.enabled:
-        full = full_attention_reference(q, key, value, positions, scale=scaling)
-        method.recorder.record(layer, out, full, positions, read, match_pos, band)
-    return out.to(query.dtype).unsqueeze(1), None
+
+    def decode(self, module, layer, query, key, value, q_pre, attention_mask, scale, step, fallback, **kwargs):
+        check_no_padding(attention_mask)
+        B, Hq, _, d = query.shape
+        positions = torch.full((B,), key.shape[2] - 1, dtype=torch.int64, device=query.device)
+        q = query[:, :, 0]
+        out, read, match_pos, band = self.method.decode(self.mac, layer, q, q_pre[:, :, 0], key, value, positions,
+                                                        scale)
+        rec = self.method.recorder
+        if rec is not None and rec.enabled:
+            full = full_attention_reference(q, key, value, positions, scale=scale)
+            rec.record(layer, out, full, positions, read, match_pos, band)
+        return out.to(query.dtype).unsqueeze(1)
+
+    def release(self) -> None:
+        self.mac.release()
 
 
 class EvalMethod:
     """Base class: ``name``; ``prefill(layer, key, value)`` after each layer's prompt attention;
     ``recorder`` accumulates over every ``attach`` until replaced (``recorder = None`` resets);
-    ``decode(ctx, layer, q, q_pre, key, value, positions, scale) -> (out [B, Hq, d], read [B, Hq]
-    token-equivalents, match_pos [B, Hq] or None, band)``; ``mac_config`` the patch config."""
+    ``decode(mac, layer, q, q_pre, key, value, positions, scale) -> (out [B, Hq, d], read [B, Hq]
+    token-equivalents, match_pos [B, Hq] or None, band)`` (``mac``: the ``MacAttention`` whose rings
+    the prefill seeded: ``mac.slots``, ``mac.state``); ``mac_config`` the prefill's MAC config."""
 
     name = "method"
     mac_config = MacConfig(window=1, band=0, enabled=False)
@@ -124,36 +138,26 @@ class EvalMethod:
     def prefill(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         pass
 
-    def decode(self, ctx, layer, q, q_pre, key, value, positions, scale):
+    def decode(self, mac, layer, q, q_pre, key, value, positions, scale):
         raise NotImplementedError
 
     def run(self, model, prompt: torch.Tensor, steps: int, forced: list | None = None) -> list:
         """Greedy tokens (``steps`` of them) after ``prompt [1, L]``, teacher-forced on ``forced``."""
-        from ..generate import greedy_decode
+        from macattn.apps.generate import greedy_decode
 
         with self.attach(model):
             return greedy_decode(model, prompt, steps, forced=forced, desc=self.name)[0]
 
     @contextmanager
     def attach(self, model):
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-        from macattn.builder.patch import IMPL_NAME, patch_model, unpatch_model
-
-        ctx = patch_model(model, self.mac_config, num_slots=1)
-        ctx.eval_method = self
         self._model_config = model.config
         if self.recorder is None or self.recorder.num_layers != model.config.num_hidden_layers:
             self.recorder = Recorder(model.config.num_hidden_layers)   # kept across attaches: stats accumulate
-        AttentionInterface.register(EVAL_IMPL, _eval_attention)
-        AttentionMaskInterface.register(EVAL_IMPL, sdpa_mask)
-        model.set_attn_implementation(EVAL_IMPL)
+        bind(model, _EvalAttention(self, ModelDims.of(model)))
         try:
             yield self.recorder
         finally:
-            model.set_attn_implementation(IMPL_NAME)
-            unpatch_model(model)
+            unbind(model)
 
 
 class FullAttention(EvalMethod):
@@ -196,10 +200,10 @@ class Mac(EvalMethod):
             st.prefill(key, value, torch.full((key.shape[0],), key.shape[2]), band=p.band)
             self.states[layer] = st
 
-    def decode(self, ctx, layer, q, q_pre, key, value, positions, scale):
+    def decode(self, mac, layer, q, q_pre, key, value, positions, scale):
         p = self.mac_config.for_layer(layer)
         comp = self.states.get(layer) if p.miss_policy == "completion" else None
-        res = mac_decode_step_reference(q, q_pre, key, value, positions, ctx.slots, *ctx.state.layer(layer),
+        res = mac_decode_step_reference(q, q_pre, key, value, positions, mac.slots, *mac.state.layer(layer),
                                         band=p.band, tau=p.tau, enabled=p.enabled, scale=scale,
                                         miss_policy=p.miss_policy, completion=comp)
         m = positions.view(-1, 1).expand_as(res.match_pos)
@@ -236,7 +240,7 @@ class RetrievalCompletion(EvalMethod):
         self.caches[layer] = (n, lpk, *build_completion_cache_batched(lpk, value, n, n_sink=c.n_sink,
                                                                       n_tail=c.n_tail))
 
-    def decode(self, ctx, layer, q, q_pre, key, value, positions, scale):
+    def decode(self, mac, layer, q, q_pre, key, value, positions, scale):
         c = self.config
         n, lpk, a, b, shift = self.caches[layer]
         pad = key.shape[2] - lpk.shape[2]
@@ -257,7 +261,7 @@ class RetrievalCompletion(EvalMethod):
 
 
 class A3Fusion(EvalMethod):
-    """A3 KV fusion (``macattn.a3``, ``runtime.a3_assembly``) of the sample's prompt, then full-attention
+    """A3 KV fusion (``macattn.methods.a3.reference``, ``runtime.a3_assembly``) of the sample's prompt, then full-attention
     decode. The prompt ``[1, L]`` is read as a RAG prompt: ``system`` its first token (BOS), ``question``
     its last ``question_tokens`` tokens (the task's query and some text before it), the document tokens
     between them cut into chunks of ``chunk_tokens``, each chunk's K/V computed alone."""

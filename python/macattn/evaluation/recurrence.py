@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+
+from macattn.core.threshold import match_threshold
 from tqdm.auto import tqdm
 
 __all__ = ["RecurrenceSettings", "nearest_in_window", "query_recurrence", "capture_pre_rope_queries", "plot",
@@ -140,7 +142,7 @@ def query_recurrence(model, prompts: Sequence[torch.Tensor], settings: Recurrenc
             valid = pos - s.band >= 0
             sk = ((pos - s.band).clamp(min=0).double() / m)
             for i, tau in enumerate(taus):
-                hit = (dist < math.sqrt(2.0 * d) * (1.0 - tau)) & valid           # [W, H, n]
+                hit = (dist < match_threshold(d, tau)) & valid           # [W, H, n]
                 hits[layer, i] += hit.double().sum(dim=(1, 2))
                 skip[layer, i] += torch.where(hit, sk, 0.0).sum(dim=(1, 2))
                 gaps[layer][i].append((m - pos[wide].double())[hit[wide]])
@@ -208,7 +210,7 @@ def plot(results: dict, path: str | Path, *, tau: float = 0.45, window: int = 10
 
 
 def _cmd_recurrence(args) -> int:
-    from . import harness as Hn
+    from macattn.evaluation import harness as Hn
 
     settings = RecurrenceSettings(taus=Hn._csv(args.taus, float), windows=Hn._csv(args.windows, int), band=args.band,
                                   positions=args.positions)

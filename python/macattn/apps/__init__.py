@@ -1,0 +1,1 @@
+"""macattn.apps."""

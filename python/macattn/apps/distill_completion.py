@@ -1,0 +1,342 @@
+"""``macattn distill-completion``: train the completion feature maps φ_q / φ_k from a frozen model.
+
+Teacher data (paper App. K): the frozen model runs with full attention on windows of
+``seq_len`` tokens; post-RoPE q/k of every layer are captured (``capture_qkv``). The window's
+last ``n_queries`` positions are the decode queries, the rest its prefill of ``N`` tokens, and
+the support set is the mid region ``M = [n_sink, N - n_tail)``. Teacher logits
+``z_t = s·q·k_t``, student logits ``ẑ_t = log Σ_f φ_q(q)_f φ_k(k_t)_f`` (``student_logits``).
+
+Loss for one query (our reading of App. B; its default hyper-parameters are not legible in the
+extracted paper text, the values below are ours). Both logit vectors are shifted by the *teacher*
+maximum ``z* = max_t z_t`` (so the student's absolute scale, which the unnormalised merge needs,
+stays constrained): ``z̃ = z - z*``, ``ẑ̃ = ẑ - z*``.
+
+* ``L_KL = τ² · KL(softmax(z̃/τ) ‖ softmax(ẑ̃/τ))``  (temperature τ, default 2);
+* Huber ``H_δ(x) = x²/2`` if ``|x| <= δ`` else ``δ(|x| - δ/2)`` (δ = 1);
+* top band ``B = {t : z̃_t >= -Δ_top}`` (Δ_top = 2): ``L_top = mean_{t∈B} H_δ(ẑ̃_t - z̃_t)``;
+* far region ``F = {t : z̃_t < -Δ_far}`` (Δ_far = 6): one-sided false positives that reach the
+  top band, ``L_far = mean_{t∈F} H_δ(max(ẑ̃_t + Δ_top, 0))`` (0 when F is empty);
+* log-partition over-estimation: ``L_Z = H_δ(max(logsumexp ẑ̃ - logsumexp z̃, 0))``;
+* ``L = L_KL + λ·(w_top·L_top + w_far·L_far + w_Z·L_Z)`` (λ = w_* = 1), averaged over queries,
+  heads and layers.
+
+After training, ``calibrate_mass`` (our addition; ``calibrate_windows = 0`` turns it off) removes
+the mean log-partition error per (layer, query head) from φ_q's stem bias, measured on windows
+not used for training: the unnormalised merge is only as good as the completion's total mass,
+and a short CPU distillation leaves it biased.
+
+Checkpoints: ``<out>/step_<n>/{maps.safetensors, optim.safetensors, meta.json}`` every
+``save_every`` steps, ``--resume`` continues from the newest (batches are a function of
+``(seed, step)``); the final maps go to ``<out>/feature_maps.{safetensors,json}``
+(``load_feature_maps``). Corpus: UTF-8 bytes of ``--corpus`` or the Python stdlib docstrings
+(``finetune_mka.stdlib_corpus``); with ``--model-dir`` (the trained tiny LLaMA) its own
+tokenizer is used.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from macattn.methods.completion.feature_maps import CompletionFeatureMaps, FeatureMapSpec, capture_qkv, save_feature_maps, student_logits
+
+__all__ = ["DistillConfig", "LossConfig", "distill_loss", "teacher_student_logits", "distill", "calibrate_mass",
+           "log_partition_bias", "load_model_and_tokens",
+           "maps_for_model", "register"]
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Hyper-parameters of ``distill_loss`` (see the module docstring for the formula)."""
+
+    temperature: float = 2.0
+    delta: float = 1.0
+    top_band: float = 2.0
+    far: float = 6.0
+    aux_weight: float = 1.0
+    w_top: float = 1.0
+    w_far: float = 1.0
+    w_logz: float = 1.0
+
+    def __post_init__(self):
+        for name in ("temperature", "delta", "top_band"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.far >= self.top_band:
+            raise ValueError(f"far must be >= top_band={self.top_band}, got {self.far!r}")
+        for name in ("aux_weight", "w_top", "w_far", "w_logz"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """steps >= 1, batch >= 1, seq_len > n_sink + n_tail + n_queries, lr > 0."""
+
+    steps: int = 200
+    batch: int = 4
+    seq_len: int = 512
+    n_queries: int = 16
+    n_sink: int = 16
+    n_tail: int = 64
+    lr: float = 3e-3
+    save_every: int = 50
+    seed: int = 0
+    calibrate_windows: int = 4
+
+    def __post_init__(self):
+        for name, lo in (("steps", 1), ("batch", 1), ("n_queries", 1), ("n_sink", 0), ("n_tail", 0),
+                         ("save_every", 1), ("calibrate_windows", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        if self.seq_len <= self.n_sink + self.n_tail + self.n_queries:
+            raise ValueError(f"seq_len must be > n_sink + n_tail + n_queries = "
+                             f"{self.n_sink + self.n_tail + self.n_queries}, got {self.seq_len}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+
+    @property
+    def mid(self) -> tuple[int, int]:
+        n = self.seq_len - self.n_queries
+        return self.n_sink, n - self.n_tail
+
+
+def _huber(x: torch.Tensor, delta: float) -> torch.Tensor:
+    return torch.nn.functional.huber_loss(x, torch.zeros_like(x), reduction="none", delta=delta)
+
+
+def distill_loss(z: torch.Tensor, zs: torch.Tensor, cfg: LossConfig = LossConfig()) -> tuple[torch.Tensor, dict]:
+    """Loss of student logits ``zs`` against teacher logits ``z`` (both ``[..., M]``, unshifted).
+
+    Returns ``(scalar loss, {"kl", "top", "far", "logz": scalar parts})``, means over all rows.
+    """
+    if z.shape != zs.shape or z.shape[-1] < 1:
+        raise ValueError(f"z and zs must have the same shape [..., M >= 1], got {tuple(z.shape)}, {tuple(zs.shape)}")
+    zmax = z.amax(-1, keepdim=True)
+    zt, st = z - zmax, zs - zmax
+    tau = cfg.temperature
+    lp_t = torch.log_softmax(zt / tau, -1)
+    lp_s = torch.log_softmax(st / tau, -1)
+    kl = tau * tau * (lp_t.exp() * (lp_t - lp_s)).sum(-1)
+    band = (zt >= -cfg.top_band).float()
+    top = (_huber(st - zt, cfg.delta) * band).sum(-1) / band.sum(-1)
+    farm = (zt < -cfg.far).float()
+    far = (_huber(torch.relu(st + cfg.top_band), cfg.delta) * farm).sum(-1) / farm.sum(-1).clamp_min(1.0)
+    logz = _huber(torch.relu(torch.logsumexp(st, -1) - torch.logsumexp(zt, -1)), cfg.delta)
+    parts = {"kl": kl.mean(), "top": top.mean(), "far": far.mean(), "logz": logz.mean()}
+    loss = parts["kl"] + cfg.aux_weight * (cfg.w_top * parts["top"] + cfg.w_far * parts["far"]
+                                           + cfg.w_logz * parts["logz"])
+    return loss, parts
+
+
+def teacher_student_logits(maps: CompletionFeatureMaps, layer: int, q: torch.Tensor, k: torch.Tensor,
+                           mid: tuple[int, int], n_queries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher and student logits ``[B, Hq, n_queries, |M|]`` of one layer's captured
+    ``q [B, Hq, T, d]``, ``k [B, Hkv, T, d]`` for the last ``n_queries`` positions over ``mid``."""
+    grp = q.shape[1] // k.shape[1]
+    qq = q[:, :, -n_queries:].float()
+    km = k[:, :, mid[0]:mid[1]].float()
+    z = maps.spec.attn_scale * qq @ km.repeat_interleave(grp, 1).transpose(-1, -2)
+    lpq = maps.log_phi_q(layer, qq.transpose(1, 2)).transpose(1, 2)  # [B, Hq, nq, F]
+    lpk = maps.log_phi_k(layer, km.transpose(1, 2)).transpose(1, 2)  # [B, Hkv, M, F]
+    return z, student_logits(lpq, lpk.repeat_interleave(grp, 1))
+
+
+def _latest_checkpoint(out: Path) -> Path | None:
+    steps = sorted((int(p.name.split("_")[1]), p) for p in out.glob("step_*") if (p / "meta.json").exists())
+    return steps[-1][1] if steps else None
+
+
+def _save(out: Path, step: int, maps: CompletionFeatureMaps, opt: torch.optim.Optimizer, meta: dict) -> Path:
+    from safetensors.torch import save_file
+
+    d = out / f"step_{step:06d}"
+    d.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in maps.state_dict().items()}, str(d / "maps.safetensors"))
+    names = dict((p, n) for n, p in maps.named_parameters())
+    opt_t = {f"{names[p]}::{k}": torch.as_tensor(v).detach().cpu().clone().contiguous()
+             for p, st in opt.state.items() for k, v in st.items()}
+    save_file(opt_t, str(d / "optim.safetensors"))
+    (d / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
+    return d
+
+
+def _load(d: Path, maps: CompletionFeatureMaps, opt: torch.optim.Optimizer) -> int:
+    from safetensors.torch import load_file
+
+    dev = next(maps.parameters()).device
+    maps.load_state_dict(load_file(str(d / "maps.safetensors")))
+    o = load_file(str(d / "optim.safetensors"), device=str(dev))
+    for n, p in maps.named_parameters():
+        st = {k.split("::", 1)[1]: v for k, v in o.items() if k.split("::", 1)[0] == n}
+        if st:
+            opt.state[p] = st
+    return int(json.loads((d / "meta.json").read_text())["step"])
+
+
+@torch.no_grad()
+def log_partition_bias(model, tokens: torch.Tensor, cfg: DistillConfig, maps: CompletionFeatureMaps,
+                       steps: list[int]) -> torch.Tensor:
+    """Mean over the windows of ``steps`` of ``logsumexp_M ẑ - logsumexp_M z`` per (layer, query head),
+    ``[L, Hq]`` fp64: how much the student over-estimates the mid-region mass in log units."""
+    acc = torch.zeros(maps.spec.num_layers, maps.spec.num_q_heads, dtype=torch.float64)
+    dev = next(model.parameters()).device
+    for s in steps:
+        for layer, (q, k, _) in enumerate(capture_qkv(model, _windows(tokens, cfg, s).to(dev))):
+            z, zs = teacher_student_logits(maps, layer, q, k, cfg.mid, cfg.n_queries)
+            acc[layer] += (torch.logsumexp(zs, -1) - torch.logsumexp(z, -1)).double().mean((0, 2)).cpu() / len(steps)
+    return acc
+
+
+@torch.no_grad()
+def calibrate_mass(model, tokens: torch.Tensor, cfg: DistillConfig, maps: CompletionFeatureMaps) -> torch.Tensor:
+    """Post-training mass calibration: subtract ``log_partition_bias`` (on ``cfg.calibrate_windows``
+    windows drawn after the training steps) from φ_q's stem bias per (layer, query head). A constant
+    added to ``log φ_q`` shifts every student logit of that head by it, so afterwards the mean
+    log-partition error on those windows is 0. Returns the bias removed ``[L, Hq]``."""
+    steps = [cfg.steps + 1 + i for i in range(cfg.calibrate_windows)]
+    bias = log_partition_bias(model, tokens, cfg, maps, steps)
+    for layer, phi in enumerate(maps.phi_q):
+        phi.stem_b -= bias[layer].to(phi.stem_b)[:, None]
+    return bias.cpu()
+
+
+def _windows(tokens: torch.Tensor, cfg: DistillConfig, step: int) -> torch.Tensor:
+    if tokens.numel() <= cfg.seq_len:
+        raise ValueError(f"seq_len must be < corpus length {tokens.numel()}, got {cfg.seq_len}")
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    start = torch.randint(0, tokens.numel() - cfg.seq_len, (cfg.batch,), generator=g)
+    return torch.stack([tokens[s:s + cfg.seq_len] for s in start.tolist()])
+
+
+def distill(model, tokens: torch.Tensor, cfg: DistillConfig, maps: CompletionFeatureMaps, out: str | os.PathLike,
+            *, loss_cfg: LossConfig = LossConfig(), resume: bool = False, progress: bool = True) -> dict:
+    """Train ``maps`` on teacher logits of the frozen ``model`` over windows of ``tokens [N]``.
+
+    Writes checkpoints and the final maps under ``out``; returns a report dict with the loss
+    curve (``losses``) and its parts at the first and last step.
+    """
+    from tqdm import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    hf = model.config
+    if maps.spec.num_layers != hf.num_hidden_layers or maps.spec.num_q_heads != hf.num_attention_heads:
+        raise ValueError(f"maps are for {maps.spec.num_layers} layers x {maps.spec.num_q_heads} heads, model has "
+                         f"{hf.num_hidden_layers} x {hf.num_attention_heads}")
+    opt = torch.optim.AdamW(maps.parameters(), lr=cfg.lr, weight_decay=0.0)
+    step = 0
+    if resume and (ck := _latest_checkpoint(out)) is not None:
+        step = _load(ck, maps, opt)
+    meta = {"distill": asdict(cfg), "loss": asdict(loss_cfg), "maps": asdict(maps.spec)}
+    losses, parts_log = [], []
+    t0 = time.time()
+    bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, disable=not progress, desc="distill-completion")
+    dev = next(model.parameters()).device
+    for s in bar:
+        qkv = capture_qkv(model, _windows(tokens, cfg, s).to(dev))
+        total, acc = 0.0, {}
+        for layer, (q, k, _) in enumerate(qkv):
+            z, zs = teacher_student_logits(maps, layer, q, k, cfg.mid, cfg.n_queries)
+            loss, parts = distill_loss(z, zs, loss_cfg)
+            total = total + loss / len(qkv)
+            for key, val in parts.items():
+                acc[key] = acc.get(key, 0.0) + float(val.detach()) / len(qkv)
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        opt.step()
+        losses.append(float(total.detach()))
+        parts_log.append(acc)
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        if (s + 1) % cfg.save_every == 0 or s + 1 == cfg.steps:
+            _save(out, s + 1, maps, opt, meta)
+    calib = calibrate_mass(model, tokens, cfg, maps).tolist() if cfg.calibrate_windows else None
+    save_feature_maps(maps, out)
+    return {**meta, "losses": losses, "log_partition_bias_removed": calib, "parts_first": parts_log[0] if parts_log else None,
+            "parts_last": parts_log[-1] if parts_log else None, "resumed_from_step": step,
+            "seconds": time.time() - t0}
+
+
+def load_model_and_tokens(*, family: str = "llama", model_dir: str | None = None, corpus: str | None = None,
+                          seed: int = 0):
+    """``(frozen model fp32, token ids [N] int64)``: built-in random-weight model + UTF-8 bytes, or
+    the trained checkpoint in ``model_dir`` + its tokenizer. Corpus: ``corpus`` file or stdlib docstrings."""
+    from macattn.apps.finetune_mka import stdlib_corpus
+
+    text = Path(corpus).read_text(encoding="utf-8") if corpus else "\n\n".join(stdlib_corpus().values())
+    if model_dir:
+        from macattn.models.checkpoint import load_builtin_checkpoint
+
+        model, tok = load_builtin_checkpoint(model_dir)
+        ids = torch.tensor(tok(text)["input_ids"], dtype=torch.int64)
+    else:
+        from macattn.models.builtin import build_builtin_model
+
+        model = build_builtin_model(family, seed=seed)
+        ids = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).to(torch.int64)
+    return model.float().eval(), ids
+
+
+def maps_for_model(model, *, feature_dim: int, hidden: int, seed: int = 0) -> CompletionFeatureMaps:
+    hf = model.config
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    return CompletionFeatureMaps(FeatureMapSpec(num_layers=hf.num_hidden_layers, num_q_heads=hf.num_attention_heads,
+                                                num_kv_heads=hf.num_key_value_heads, head_dim=head_dim,
+                                                feature_dim=feature_dim, hidden=hidden, seed=seed))
+
+
+def _cmd(args) -> int:
+    cfg = DistillConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, n_queries=args.n_queries,
+                        n_sink=args.n_sink, n_tail=args.n_tail, lr=args.lr, save_every=args.save_every, seed=args.seed)
+    loss_cfg = LossConfig(temperature=args.temperature)
+    torch.manual_seed(args.seed)
+    model, tokens = load_model_and_tokens(family=args.model, model_dir=args.model_dir, corpus=args.corpus,
+                                          seed=args.seed)
+    maps = maps_for_model(model, feature_dim=args.features, hidden=args.hidden, seed=args.seed)
+    model, maps = model.to(args.device), maps.to(args.device)
+    report = distill(model, tokens, cfg, maps, args.out, loss_cfg=loss_cfg, resume=args.resume,
+                     progress=not args.no_progress)
+    report["model"] = args.model_dir or f"builtin-{args.model}"
+    print(json.dumps({"loss_first": report["losses"][0] if report["losses"] else None,
+                      "loss_last": report["losses"][-1] if report["losses"] else None,
+                      "maps": str(Path(args.out) / "feature_maps.safetensors")}, indent=1))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def register(sub) -> None:
+    """Add ``distill-completion`` to the argparse subparsers ``sub``."""
+    p = sub.add_parser("distill-completion",
+                       help="train the retrieval-completion feature maps (phi_q, phi_k) by distillation")
+    p.add_argument("--model", choices=("llama", "qwen2", "mistral"), default="llama", help="built-in model family")
+    p.add_argument("--model-dir", default=None, help="trained checkpoint dir (e.g. macattn/data/tiny_llama)")
+    p.add_argument("--corpus", default=None, help="UTF-8 text file (default: Python stdlib docstrings)")
+    p.add_argument("--out", required=True, help="checkpoint / output directory")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--n-queries", type=int, default=16, help="decode queries per window (its last positions)")
+    p.add_argument("--n-sink", type=int, default=16)
+    p.add_argument("--n-tail", type=int, default=64)
+    p.add_argument("--features", type=int, default=64, help="feature dimension F")
+    p.add_argument("--hidden", type=int, default=128, help="ReZero block inner width")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--temperature", type=float, default=2.0)
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="torch device of the model and the maps (e.g. cuda)")
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd)

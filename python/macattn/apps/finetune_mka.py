@@ -1,0 +1,268 @@
+"""``macattn finetune-mka``: train only the new FastMKA weights of a model on a text corpus.
+
+The frozen model runs in bf16 (or fp32); the routing weights (and gates) are fp32 masters
+trained with AdamW. Checkpoints are ``<out>/step_<n>/{mka.safetensors, optim.safetensors,
+meta.json}``; ``--resume`` continues from the newest one (batches are a function of
+``(seed, step)``, so a resumed run sees the same data as an uninterrupted one). The report
+(JSON) has held-out loss / perplexity of the unmodified model, of the patched model at step 0
+(equal: the gate starts at 0) and after training.
+
+Corpus: ``--corpus FILE`` (UTF-8 text), or by default the docstrings of a fixed list of Python
+standard-library modules (no download). Tokens are UTF-8 bytes (ids 0..255), which every
+built-in model's vocabulary covers; documents are split train / held-out by a hash of their
+name.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from macattn.methods.mka.reference import MkaConfig
+from macattn.models.mka import mka_parameters, patch_mka
+
+__all__ = ["FinetuneConfig", "stdlib_corpus", "split_corpus", "finetune", "register"]
+
+STDLIB_MODULES = ("json", "collections", "itertools", "functools", "argparse", "pathlib", "textwrap", "string",
+                  "re", "typing", "dataclasses", "inspect", "subprocess", "shutil", "logging", "unittest",
+                  "csv", "datetime", "decimal", "fractions", "statistics", "random", "heapq", "bisect",
+                  "contextlib", "abc", "enum", "copy", "pprint", "tempfile", "zipfile", "tarfile", "gzip",
+                  "urllib.parse", "http.client", "email.message", "sqlite3", "threading", "queue", "asyncio",
+                  "socket", "struct", "codecs", "difflib", "glob", "fnmatch", "operator", "weakref", "ast")
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """steps >= 1, batch >= 1, seq_len >= 2, lr > 0, eval_batches >= 1, dtype "bf16"|"fp32"."""
+
+    steps: int = 60
+    batch: int = 8
+    seq_len: int = 128
+    lr: float = 3e-2
+    eval_batches: int = 8
+    save_every: int = 20
+    seed: int = 0
+    dtype: str = "bf16"
+
+    def __post_init__(self):
+        for name, lo in (("steps", 1), ("batch", 1), ("seq_len", 2), ("eval_batches", 1), ("save_every", 1)):
+            if int(getattr(self, name)) < lo:
+                raise ValueError(f"{name} must be >= {lo}, got {getattr(self, name)}")
+        if not float(self.lr) > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.dtype not in ("bf16", "fp32"):
+            raise ValueError(f"dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
+
+
+def stdlib_corpus() -> dict[str, str]:
+    """``name -> text``: the docstrings of ``STDLIB_MODULES`` and of their public members."""
+    import importlib
+
+    docs: dict[str, str] = {}
+    for modname in STDLIB_MODULES:
+        mod = importlib.import_module(modname)
+        parts = [inspect.getdoc(mod) or ""]
+        for name in sorted(getattr(mod, "__all__", None) or dir(mod)):
+            if name.startswith("_"):
+                continue
+            obj = getattr(mod, name, None)
+            if (inspect.isfunction(obj) or inspect.isclass(obj)) and getattr(obj, "__module__", "") == mod.__name__:
+                doc = inspect.getdoc(obj)
+                if doc:
+                    parts.append(f"{name}: {doc}")
+        docs[modname] = "\n\n".join(p for p in parts if p)
+    return docs
+
+
+def split_corpus(docs: dict[str, str], heldout_fraction: float = 0.15) -> tuple[torch.Tensor, torch.Tensor]:
+    """Byte tokens ``(train [N] int64, heldout [M] int64)``; a document goes to held-out when the
+    hash of its name falls below ``heldout_fraction``."""
+    train, held = [], []
+    for name in sorted(docs):
+        h = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) / 2 ** 32
+        (held if h < heldout_fraction else train).append(docs[name].encode("utf-8") + b"\n\n")
+    if not train or not held:
+        raise ValueError("corpus must have at least two documents so both splits are non-empty")
+    to_t = lambda bs: torch.frombuffer(bytearray(b"".join(bs)), dtype=torch.uint8).to(torch.int64)  # noqa: E731
+    return to_t(train), to_t(held)
+
+
+def _batch(tokens: torch.Tensor, batch: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
+    if tokens.numel() <= seq_len:
+        raise ValueError(f"seq_len must be < corpus split length {tokens.numel()}, got {seq_len}")
+    start = torch.randint(0, tokens.numel() - seq_len, (batch,), generator=gen)
+    return torch.stack([tokens[s:s + seq_len] for s in start.tolist()])
+
+
+def _eval_batches(tokens: torch.Tensor, cfg: FinetuneConfig) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(cfg.seed + 7919)
+    return [_batch(tokens, cfg.batch, cfg.seq_len, gen) for _ in range(cfg.eval_batches)]
+
+
+@torch.no_grad()
+def heldout_loss(model, batches: list[torch.Tensor]) -> float:
+    """Mean next-token cross entropy (nats) over ``batches`` (each ``[B, T]`` int64)."""
+    tot, n = 0.0, 0
+    for ids in batches:
+        logits = model(ids).logits.float()
+        tot += torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                 ids[:, 1:].reshape(-1), reduction="sum").item()
+        n += ids[:, 1:].numel()
+    return tot / n
+
+
+def _latest_checkpoint(out: Path) -> Path | None:
+    steps = sorted((int(p.name.split("_")[1]), p) for p in out.glob("step_*") if (p / "meta.json").exists())
+    return steps[-1][1] if steps else None
+
+
+def _save(out: Path, step: int, params, opt: torch.optim.Optimizer, meta: dict) -> Path:
+    from safetensors.torch import save_file
+
+    d = out / f"step_{step:06d}"
+    d.mkdir(parents=True, exist_ok=True)
+    save_file({n: p.detach().contiguous() for n, p in params}, str(d / "mka.safetensors"))
+    opt_t = {}
+    for i, (_, p) in enumerate(params):
+        for k, v in opt.state.get(p, {}).items():
+            opt_t[f"{i}.{k}"] = torch.as_tensor(v).detach().clone().contiguous()
+    save_file(opt_t, str(d / "optim.safetensors"))
+    (d / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
+    return d
+
+
+def _load(d: Path, params, opt: torch.optim.Optimizer) -> int:
+    from safetensors.torch import load_file
+
+    w = load_file(str(d / "mka.safetensors"))
+    o = load_file(str(d / "optim.safetensors"))
+    with torch.no_grad():
+        for i, (n, p) in enumerate(params):
+            p.copy_(w[n])
+            st = {k.split(".", 1)[1]: v for k, v in o.items() if k.split(".", 1)[0] == str(i)}
+            if st:
+                opt.state[p] = st
+    return int(json.loads((d / "meta.json").read_text())["step"])
+
+
+def finetune(model, train: torch.Tensor, heldout: torch.Tensor, cfg: FinetuneConfig, mka: MkaConfig,
+             out: str | os.PathLike, *, resume: bool = False, progress: bool = True) -> dict:
+    """Patch ``model`` with FastMKA, train its new weights, and return the report dict."""
+    from tqdm import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    model = model.to(dtype).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    evals = _eval_batches(heldout, cfg)
+    t0 = time.time()
+    loss_unmodified = heldout_loss(model, evals)
+    ctx = patch_mka(model, mka)
+    params = mka_parameters(model)
+    for _, p in params:
+        p.requires_grad_(True)
+    loss_step0 = heldout_loss(model, evals)
+    opt = torch.optim.AdamW([p for _, p in params], lr=cfg.lr, weight_decay=0.0)
+    step = 0
+    if resume and (ck := _latest_checkpoint(out)) is not None:
+        step = _load(ck, params, opt)
+    meta = {"finetune": asdict(cfg), "mka": asdict(mka)}
+    losses = []
+    bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, disable=not progress, desc="finetune-mka")
+    for s in bar:
+        for f in ctx.fusions:
+            f.train()
+        ids = _batch(train, cfg.batch, cfg.seq_len, torch.Generator().manual_seed(cfg.seed * 1_000_003 + s))
+        logits = model(ids).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        if (s + 1) % cfg.save_every == 0 or s + 1 == cfg.steps:
+            _save(out, s + 1, params, opt, meta)
+    for f in ctx.fusions:
+        f.eval()
+    loss_after = heldout_loss(model, evals)
+    lam = torch.stack([ctx.last_lambda[i].reshape(-1, 3).mean(0) for i in range(len(ctx.fusions))])
+    return {
+        **meta,
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "device": "cpu",
+        "train_tokens": int(train.numel()), "heldout_tokens": int(heldout.numel()),
+        "heldout_eval_tokens": int(sum(b[:, 1:].numel() for b in evals)),
+        "loss_unmodified": loss_unmodified, "ppl_unmodified": math.exp(loss_unmodified),
+        "loss_step0": loss_step0, "ppl_step0": math.exp(loss_step0),
+        "loss_after": loss_after, "ppl_after": math.exp(loss_after),
+        "train_loss_first": losses[0] if losses else None, "train_loss_last": losses[-1] if losses else None,
+        "gates": [f.router.gate.item() for f in ctx.fusions],
+        "mean_lambda_heldout_per_layer": lam.tolist(),
+        "resumed_from_step": step, "seconds": time.time() - t0,
+    }
+
+
+def _cmd(args) -> int:
+    from macattn.models.builtin import build_builtin_model
+
+    cfg = FinetuneConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
+                         eval_batches=args.eval_batches, save_every=args.save_every, seed=args.seed, dtype=args.dtype)
+    mka = MkaConfig(summary=args.summary, ema_beta=args.ema_beta, router_hidden=args.router_hidden, l3=args.l3,
+                    seed=args.seed)
+    if args.corpus:
+        text = Path(args.corpus).read_text(encoding="utf-8")
+        paras = [p for p in text.split("\n\n") if p.strip()]
+        docs = {f"{i:06d}": p for i, p in enumerate(paras)}
+    else:
+        docs = stdlib_corpus()
+    train, held = split_corpus(docs)
+    if args.from_dir:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(args.from_dir, attn_implementation="sdpa")
+    else:
+        model = build_builtin_model(args.model, seed=args.seed)
+    torch.manual_seed(args.seed)
+    report = finetune(model, train, held, cfg, mka, args.out, resume=args.resume, progress=not args.no_progress)
+    report["model"] = args.from_dir or f"builtin-{args.model}"
+    report["corpus"] = args.corpus or "python-stdlib-docstrings"
+    print(json.dumps({k: report[k] for k in ("ppl_unmodified", "ppl_step0", "ppl_after", "loss_step0", "loss_after")},
+                     indent=1))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def register(sub) -> None:
+    """Add ``finetune-mka`` to the argparse subparsers ``sub``."""
+    p = sub.add_parser("finetune-mka", help="train the FastMKA routing weights of a model (only those), report perplexity")
+    p.add_argument("--model", choices=("llama", "qwen2", "mistral"), default="llama", help="built-in model family")
+    p.add_argument("--from", dest="from_dir", default=None, help="transformers model directory instead of the built-in")
+    p.add_argument("--corpus", default=None, help="UTF-8 text file (default: Python stdlib docstrings)")
+    p.add_argument("--out", required=True, help="checkpoint directory")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-2)
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--save-every", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--summary", choices=("mean", "ema"), default="mean")
+    p.add_argument("--ema-beta", type=float, default=0.9)
+    p.add_argument("--router-hidden", type=int, default=64)
+    p.add_argument("--l3", action="store_true", help="enable L3 hashed chunk recall")
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd)

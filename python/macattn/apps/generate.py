@@ -1,0 +1,171 @@
+"""The main job: decode a long prompt with full attention and with MAC, compare.
+
+Default model: the built-in trained checkpoint (``macattn.models.checkpoint``) on a needle-in-a-haystack
+prompt over held-out text; ``llama``/``qwen2``/``mistral`` are random-weight built-in models on a
+repetitive token prompt (no language, but every architecture).
+
+gpt-fast style plain loop: one prefill, then one token per step through the model's KV
+cache. The MAC run is teacher-forced on the full-attention tokens, so greedy agreement is
+measured per step on identical prefixes, and every decode step also records the relative
+error of each layer's attention output against full attention on the same inputs.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from macattn.methods.mac.config import MacConfig
+from macattn.models.builtin import BUILTIN, build_builtin_model
+
+__all__ = ["GenerateReport", "TRAINED", "repetitive_prompt", "greedy_decode", "run_generate"]
+
+TRAINED = "tiny-llama"  # the packaged trained checkpoint, the default model
+
+
+def repetitive_prompt(length: int, vocab_size: int, *, period: int = 512, mutation: float = 0.05,
+                      seed: int = 0) -> torch.Tensor:
+    """``[1, length]`` int64: a random passage of ``period`` tokens repeated, with a fraction
+    ``mutation`` of tokens replaced per repetition, so queries recur as in real long contexts."""
+    if length < 1:
+        raise ValueError(f"length must be >= 1, got {length}")
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, vocab_size, (period,), generator=g)
+    reps = -(-length // period)
+    ids = base.repeat(reps)
+    flip = torch.rand(ids.shape, generator=g) < mutation
+    ids[flip] = torch.randint(0, vocab_size, (int(flip.sum()),), generator=g)
+    return ids[:length].unsqueeze(0)
+
+
+@torch.no_grad()
+def greedy_decode(model, prompt: torch.Tensor, steps: int, *, forced: list[int] | None = None,
+                  desc: str = "decode") -> tuple[list[int], float]:
+    """Prefill ``prompt [1, L]`` then decode ``steps`` tokens greedily.
+
+    With ``forced``, token ``i`` fed to step ``i+1`` is ``forced[i]`` (teacher forcing),
+    while the returned list is still the model's own argmax per step. Returns the tokens
+    and decode seconds (prefill excluded).
+    """
+    out = model(input_ids=prompt, use_cache=True)
+    cache = out.past_key_values
+    tokens = [int(out.logits[0, -1].argmax())]
+    t0 = time.perf_counter()
+    for i in tqdm(range(steps - 1), desc=desc, leave=False):
+        nxt = forced[i] if forced is not None else tokens[-1]
+        out = model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens, time.perf_counter() - t0
+
+
+@dataclass
+class GenerateReport:
+    model: str
+    context: int
+    new_tokens: int
+    mac: dict
+    hit_rate: float
+    skipped_prefix: float
+    mean_gap: float
+    greedy_agreement: float
+    hit_rate_per_layer: list
+    skipped_prefix_per_layer: list
+    attn_rel_error_per_layer: list
+    tokens_per_s_full: float
+    tokens_per_s_mac: float
+    torch_version: str
+    machine: str
+    needle: dict | None = None  # trained model: expected answer and the full-attention continuation
+
+    def table(self) -> str:
+        rows = [("model", self.model), ("context / new tokens", f"{self.context} / {self.new_tokens}"),
+                ("MAC (window, band, tau)", f"{self.mac['window']}, {self.mac['band']}, {self.mac['tau']}"),
+                ("hit rate", f"{self.hit_rate:.3f}"), ("skipped-prefix fraction", f"{self.skipped_prefix:.3f}"),
+                ("mean reuse gap m-p", f"{self.mean_gap:.1f}"),
+                ("greedy-token agreement", f"{self.greedy_agreement:.3f}"),
+                ("tokens/s full | MAC (CPU reference)", f"{self.tokens_per_s_full:.1f} | {self.tokens_per_s_mac:.1f}")]
+        if self.needle:
+            rows.insert(2, ("needle answer expected | decoded", f"{self.needle['expected']!r} | "
+                                                                f"{self.needle['decoded']!r}"))
+        lines = [f"{k:<38}{v}" for k, v in rows]
+        lines.append(f"{'layer':<8}{'hit rate':>10}{'skip':>10}{'rel err vs full':>18}")
+        for i, (h, s, e) in enumerate(zip(self.hit_rate_per_layer, self.skipped_prefix_per_layer,
+                                          self.attn_rel_error_per_layer)):
+            lines.append(f"{i:<8}{h:>10.3f}{s:>10.3f}{e:>18.2e}")
+        return "\n".join(lines)
+
+
+def _trained_setup(context: int, seed: int):
+    """(model, prompt [1, context], description, needle info) for the packaged trained checkpoint:
+    a single-needle retrieval prompt whose haystack is held-out text."""
+    from macattn.models.checkpoint import heldout_text, load_builtin_checkpoint
+    from macattn.evaluation.tasks import haystack_from, make_sample
+
+    model, tok = load_builtin_checkpoint()
+    sample = make_sample("niah_single", context, random.Random(seed), tok.encode,
+                         haystack_from(tok.encode(heldout_text())), bos=[tok.bos_token_id])
+    c = model.config
+    desc = (f"trained {TRAINED} ({c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads} "
+            f"heads, d={c.head_dim}; needle prompt over held-out text)")
+    return model, sample.ids, desc, dict(tokenizer=tok, expected=tok.decode(sample.answer))
+
+
+def run_generate(*, family: str = TRAINED, context: int = 4096, new_tokens: int = 64,
+                 mac: MacConfig | None = None, seed: int = 0, json_path: str | None = None) -> GenerateReport:
+    from macattn.models.attention import patch_model, unpatch_model
+
+    if context < 2:
+        raise ValueError(f"context must be >= 2, got {context}")
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens must be >= 2, got {new_tokens}")
+    mac = mac or MacConfig()
+    needle = None
+    if family == TRAINED:
+        model, ids, desc, needle = _trained_setup(context, seed)
+        if context > model.config.max_position_embeddings - new_tokens:
+            raise ValueError(f"context must be <= {model.config.max_position_embeddings - new_tokens} for "
+                             f"{TRAINED}, got {context}")
+        prompt = torch.tensor([ids])
+    else:
+        model = build_builtin_model(family, seed=seed,
+                                    max_position_embeddings=max(BUILTIN["max_position_embeddings"], context + new_tokens))
+        prompt = repetitive_prompt(context, model.config.vocab_size, seed=seed)
+        desc = (f"built-in {family} ({BUILTIN['num_hidden_layers']} layers, {BUILTIN['num_attention_heads']}/"
+                f"{BUILTIN['num_key_value_heads']} heads, d={BUILTIN['head_dim']}, random weights, seed {seed})")
+
+    full_tokens, full_s = greedy_decode(model, prompt, new_tokens, desc="full attention")
+    ctx = patch_model(model, mac, num_slots=1)
+    mac_tokens, mac_s = greedy_decode(model, prompt, new_tokens, forced=full_tokens, desc="MAC")
+    diag = ctx.state.diagnostics
+    ctx.record_error = True
+    diag.reset()
+    greedy_decode(model, prompt, new_tokens, forced=full_tokens, desc="MAC error vs full")
+    unpatch_model(model)
+
+    steps = diag.steps.sum()
+    if needle is not None:
+        tok = needle.pop("tokenizer")
+        needle["decoded"] = tok.decode(full_tokens[:8])
+        needle["retrieved"] = needle["decoded"].startswith(needle["expected"])
+    report = GenerateReport(
+        model=desc, needle=needle,
+        context=prompt.shape[1], new_tokens=new_tokens, mac=mac.to_dict(),
+        hit_rate=float(diag.hits.sum() / steps), skipped_prefix=float(diag.skipped.sum() / steps),
+        mean_gap=float(diag.gap.sum() / diag.hits.sum().clamp(min=1)),
+        greedy_agreement=sum(a == b for a, b in zip(full_tokens, mac_tokens)) / new_tokens,
+        hit_rate_per_layer=diag.hit_rate.mean(1).tolist(),
+        skipped_prefix_per_layer=diag.skipped_prefix.mean(1).tolist(),
+        attn_rel_error_per_layer=[sum(v) / len(v) for _, v in sorted(ctx.layer_errors.items())],
+        tokens_per_s_full=(new_tokens - 1) / full_s, tokens_per_s_mac=(new_tokens - 1) / mac_s,
+        torch_version=torch.__version__, machine=f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
+    )
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(asdict(report), f, indent=2)
+    return report

@@ -1,0 +1,451 @@
+"""Top-k retrieval with fixed-size linear-attention completion: the plain-torch reference (SPEC §3).
+
+One decode step for query head ``h`` (KV head ``g = h // (Hq // Hkv)``) of a request whose
+prefill had ``N`` tokens and whose cache now holds ``L >= N`` tokens:
+
+* partition of the prefill segment (``partition``): sink ``[0, s0)`` with ``s0 = min(n_sink, N)``,
+  mid ``M = [s0, m1)`` with ``m1 = max(s0, N - n_tail)``, tail ``[m1, N)``; generated ``[N, L)``.
+  ``M`` is empty when ``N <= n_sink + n_tail`` and the step is then exact attention over ``[0, L)``;
+  when ``top_k >= |M|`` the completion term is skipped too (``R = M``; the fp32 cache would
+  otherwise leave a rounding residual ``b' ~ 1e-7 b``), so the step is exact attention;
+* logits ``l_t = scale * q·k_t`` (``scale`` defaults to ``1/sqrt(d)``);
+* ``R`` = the ``k_eff = min(top_k, |M|)`` mid tokens chosen by a ``Selector`` (exhaustive Top-k
+  by ``l_t`` per *query* head, or the page-summary selector); exact set ``E = sink ∪ tail ∪ R ∪
+  generated``;
+* completion of ``M \\ R`` from the prefill-time stable cache (``build_completion_cache``):
+  per feature ``f`` a shift ``c_f = max_{t∈M} log φ_k(k_t)_f``, ``b_f = Σ_{t∈M} w_{t,f}``,
+  ``A_f = Σ_{t∈M} w_{t,f} v_t`` with ``w_{t,f} = exp(log φ_k(k_t)_f - c_f) <= 1``;
+  one-way subtraction of ``R`` with the same shift, clamped (``subtract_retrieved``):
+  ``b'_f = max(b_f - Σ_{t∈R} w_{t,f}, 0)``, ``A'_f = A_f - Σ_{t∈R} w_{t,f} v_t`` and ``A'_f = 0``
+  where ``b'_f = 0``;
+* one normalisation in the log domain with ``a_f = log φ_q(q)_f + c_f`` and a common max
+  ``m = max(max_{t∈E} l_t, max_{f: b'_f>0} a_f + log b'_f)``:
+  ``den = Σ_{t∈E} e^{l_t-m} + Σ_f e^{a_f + log b'_f - m}``,
+  ``num = Σ_{t∈E} e^{l_t-m} v_t + Σ_f e^{a_f + log b'_f - m} A'_f / b'_f``, ``out = num / den``.
+  (``e^{a_f-m} b'_f`` is evaluated as ``e^{a_f + log b'_f - m}`` so a huge ``a_f`` with a tiny
+  ``b'_f`` cannot overflow.)
+
+Baselines behind the same step function (``hybrid_decode_step``): selection-only (no completion,
+softmax renormalised over ``E``) and sink+tail (``top_k = 0``, no completion); ``full`` is exact
+attention over ``[0, L)``. ``retrieval_completion_step`` is the op contract of
+``macattn::retrieval_completion`` (exhaustive Top-k) that the Triton kernels are tested against.
+Everything here computes in fp64 and is written for clarity, not speed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from macattn.core.validation import check_int
+
+__all__ = [
+    "METHODS", "SELECTORS", "CompletionConfig", "Partition", "partition", "Selector", "ExhaustiveTopK",
+    "PageSummaryTopK", "make_selector", "build_completion_cache", "build_completion_cache_batched",
+    "subtract_retrieved", "hybrid_decode_step", "retrieval_completion_step", "selection_only_step",
+    "sink_tail_step", "full_attention_step", "token_equivalents", "budget_top_k",
+]
+
+METHODS = ("full", "sink_tail", "selection", "completion")
+SELECTORS = ("exact", "pages")
+
+
+@dataclass(frozen=True)
+class CompletionConfig:
+    """Retrieval-completion settings shared by all layers.
+
+    n_sink / n_tail: exact prefix / suffix of the prefill segment (>= 0).
+    top_k: retrieved mid tokens per query head and step; or ``budget``: a fraction in (0, 1]
+    of the mid region (exactly one of the two is set; ``budget_top_k`` resolves it).
+    feature_dim: ``F``, features of φ_q / φ_k; hidden: inner width of the ReZero block.
+    selector: ``"exact"`` (exhaustive Top-k) or ``"pages"`` (page-summary upper bounds);
+    page_size / page_overfetch: pages of the ``"pages"`` selector (pages kept =
+    ``ceil(top_k / page_size) * page_overfetch``).
+    """
+
+    n_sink: int = 16
+    n_tail: int = 64
+    top_k: int | None = 32
+    budget: float | None = None
+    feature_dim: int = 64
+    hidden: int = 128
+    selector: str = "exact"
+    page_size: int = 16
+    page_overfetch: int = 2
+
+    def __post_init__(self):
+        check_int("n_sink", self.n_sink, 0)
+        check_int("n_tail", self.n_tail, 0)
+        if (self.top_k is None) == (self.budget is None):
+            raise ValueError(f"give exactly one of top_k and budget, got top_k={self.top_k!r}, budget={self.budget!r}")
+        if self.top_k is not None:
+            check_int("top_k", self.top_k, 0)
+        if self.budget is not None and not (isinstance(self.budget, (int, float)) and 0.0 < self.budget <= 1.0):
+            raise ValueError(f"budget must be a fraction in (0, 1], got {self.budget!r}")
+        check_int("feature_dim", self.feature_dim, 1)
+        check_int("hidden", self.hidden, 1)
+        if self.selector not in SELECTORS:
+            raise ValueError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
+        check_int("page_size", self.page_size, 1)
+        check_int("page_overfetch", self.page_overfetch, 1)
+
+    def k_for(self, mid_len: int) -> int:
+        """Retrieved tokens for a mid region of ``mid_len`` tokens (``min(top_k, mid_len)``)."""
+        check_int("mid_len", mid_len, 0)
+        if self.top_k is not None:
+            return min(self.top_k, mid_len)
+        return min(mid_len, max(1, math.ceil(self.budget * mid_len))) if mid_len else 0
+
+    def selector_impl(self) -> "Selector":
+        return make_selector(self.selector, page_size=self.page_size, overfetch=self.page_overfetch)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Index ranges of one request: sink ``[0, mid_start)``, mid ``[mid_start, mid_end)``,
+    tail ``[mid_end, n_prefill)``, generated ``[n_prefill, seq_len)``."""
+
+    mid_start: int
+    mid_end: int
+    n_prefill: int
+    seq_len: int
+
+    @property
+    def mid_len(self) -> int:
+        return self.mid_end - self.mid_start
+
+
+def partition(n_prefill: int, seq_len: int, *, n_sink: int, n_tail: int) -> Partition:
+    """Sink / mid / tail / generated ranges for a request (see ``Partition``)."""
+    check_int("n_sink", n_sink, 0)
+    check_int("n_tail", n_tail, 0)
+    check_int("n_prefill", n_prefill, 0)
+    check_int("seq_len", seq_len, n_prefill)
+    s0 = min(n_sink, n_prefill)
+    return Partition(s0, max(s0, n_prefill - n_tail), n_prefill, seq_len)
+
+
+# ----------------------------------------------------------------------------- selectors
+
+
+@runtime_checkable
+class Selector(Protocol):
+    """Chooses the retrieved mid tokens of one request and KV group.
+
+    ``select(q [H, d], k_mid [M, d], k, scale) -> idx [H, k]`` int64 indices into the mid region
+    (distinct per row), ``0 <= k <= M``; ``H`` is the number of query heads sharing the keys.
+    """
+
+    def select(self, q: torch.Tensor, k_mid: torch.Tensor, k: int, scale: float) -> torch.Tensor: ...
+
+
+class ExhaustiveTopK:
+    """Exact Top-k of ``scale * q·k_t`` over the whole mid region (ties in any order)."""
+
+    def select(self, q: torch.Tensor, k_mid: torch.Tensor, k: int, scale: float) -> torch.Tensor:
+        if k == 0:
+            return torch.zeros(q.shape[0], 0, dtype=torch.int64, device=q.device)
+        logits = scale * (q.double() @ k_mid.double().T)
+        return logits.topk(k, dim=-1).indices
+
+
+class PageSummaryTopK:
+    """Quest-style approximate selector.
+
+    The mid region is cut into pages of ``page_size`` tokens; each page is summarised by the
+    per-channel min and max of its keys (computed once at prefill in a real system). For a
+    query, ``Σ_j max(q_j·min_j, q_j·max_j)`` upper-bounds ``q·k`` over the page; the
+    ``ceil(k / page_size) * overfetch`` pages with the largest bound are kept and the exact
+    Top-k is taken over their tokens. With enough pages kept this equals ``ExhaustiveTopK``.
+    """
+
+    def __init__(self, page_size: int = 16, overfetch: int = 2) -> None:
+        check_int("page_size", page_size, 1)
+        check_int("overfetch", overfetch, 1)
+        self.page_size, self.overfetch = page_size, overfetch
+
+    @staticmethod
+    def page_bounds(k_mid: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-page channel ``(min, max)``, each ``[P, d]`` (last page may be partial)."""
+        m, d = k_mid.shape
+        n_pages = -(-m // page_size)
+        pad = n_pages * page_size - m
+        kd = k_mid.double()
+        lo = torch.cat([kd, kd.new_full((pad, d), math.inf)]).view(n_pages, page_size, d).amin(1)
+        hi = torch.cat([kd, kd.new_full((pad, d), -math.inf)]).view(n_pages, page_size, d).amax(1)
+        return lo, hi
+
+    def select(self, q: torch.Tensor, k_mid: torch.Tensor, k: int, scale: float) -> torch.Tensor:
+        h, m = q.shape[0], k_mid.shape[0]
+        if k == 0:
+            return torch.zeros(h, 0, dtype=torch.int64, device=q.device)
+        lo, hi = self.page_bounds(k_mid, self.page_size)
+        qd = q.double()
+        bound = torch.maximum(qd[:, None, :] * lo[None], qd[:, None, :] * hi[None]).sum(-1)  # [H, P]
+        n_keep = min(lo.shape[0], -(-k // self.page_size) * self.overfetch)
+        pages = bound.topk(n_keep, dim=-1).indices  # [H, n_keep]
+        tok = (pages[:, :, None] * self.page_size + torch.arange(self.page_size, device=q.device)).reshape(h, -1)
+        valid = tok < m
+        logits = scale * (qd[:, None, :] * k_mid.double()[tok.clamp(max=m - 1)]).sum(-1)
+        logits = logits.masked_fill(~valid, -math.inf)
+        if int(valid.sum(-1).min()) < k:  # too few candidate tokens: fall back to exhaustive
+            return ExhaustiveTopK().select(q, k_mid, k, scale)
+        pick = logits.topk(k, dim=-1).indices
+        return tok.gather(1, pick)
+
+
+def make_selector(name: str, *, page_size: int = 16, overfetch: int = 2) -> Selector:
+    """``"exact"`` → ``ExhaustiveTopK``; ``"pages"`` → ``PageSummaryTopK``."""
+    if name == "exact":
+        return ExhaustiveTopK()
+    if name == "pages":
+        return PageSummaryTopK(page_size, overfetch)
+    raise ValueError(f"selector must be one of {SELECTORS}, got {name!r}")
+
+
+# ----------------------------------------------------------------------------- completion cache
+
+
+def build_completion_cache(log_phi_k_mid: torch.Tensor, v_mid: torch.Tensor):
+    """Stable completion cache of a mid region.
+
+    log_phi_k_mid ``[..., M, F]`` (log φ_k of the mid keys), v_mid ``[..., M, d]`` with the
+    same leading dims (e.g. ``[Hkv]`` or ``[B, Hkv]``). Returns fp32 ``(A [..., F, d],
+    b [..., F], shift [..., F])`` with ``shift_f = max_t log φ_k[t, f]`` (0 where that is
+    not finite, e.g. ``M = 0``), ``b_f = Σ_t exp(log φ_k[t, f] - shift_f)`` and
+    ``A_f = Σ_t exp(log φ_k[t, f] - shift_f) v_t``. Empty ``M`` gives ``A = b = 0``.
+    """
+    if log_phi_k_mid.dim() < 2 or v_mid.dim() != log_phi_k_mid.dim():
+        raise ValueError(f"log_phi_k_mid [..., M, F] and v_mid [..., M, d] must have the same rank >= 2, "
+                         f"got {tuple(log_phi_k_mid.shape)} and {tuple(v_mid.shape)}")
+    if log_phi_k_mid.shape[:-1] != v_mid.shape[:-1]:
+        raise ValueError(f"log_phi_k_mid and v_mid must agree on [..., M], got {tuple(log_phi_k_mid.shape)} "
+                         f"and {tuple(v_mid.shape)}")
+    lp = log_phi_k_mid.double()
+    if lp.shape[-2] == 0:
+        shift = lp.new_zeros(lp.shape[:-2] + lp.shape[-1:])
+    else:
+        shift = lp.amax(-2)
+        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    w = torch.exp(lp - shift.unsqueeze(-2))  # [..., M, F], all <= 1
+    b = w.sum(-2)
+    a = w.transpose(-1, -2) @ v_mid.double()
+    return a.float(), b.float(), shift.float()
+
+
+def build_completion_cache_batched(log_phi_k: torch.Tensor, v_cache: torch.Tensor, n_prefill: torch.Tensor, *,
+                                   n_sink: int, n_tail: int):
+    """Completion caches of a batch with per-row mid regions.
+
+    log_phi_k ``[B, Hkv, T, F]``, v_cache ``[B, Hkv, T, d]``, n_prefill ``[B]`` int. Returns fp32
+    ``A [B, Hkv, F, d]``, ``b [B, Hkv, F]``, ``shift [B, Hkv, F]`` (rows with an empty mid: zeros).
+    """
+    bsz, hkv, t, f = log_phi_k.shape
+    d = v_cache.shape[-1]
+    a = torch.zeros(bsz, hkv, f, d, dtype=torch.float32, device=v_cache.device)
+    b = torch.zeros(bsz, hkv, f, dtype=torch.float32, device=v_cache.device)
+    sh = torch.zeros(bsz, hkv, f, dtype=torch.float32, device=v_cache.device)
+    for i in range(bsz):
+        n = int(n_prefill[i])
+        p = partition(n, n, n_sink=n_sink, n_tail=n_tail)
+        a[i], b[i], sh[i] = build_completion_cache(log_phi_k[i, :, p.mid_start:p.mid_end],
+                                                   v_cache[i, :, p.mid_start:p.mid_end])
+    return a, b, sh
+
+
+def subtract_retrieved(comp_a: torch.Tensor, comp_b: torch.Tensor, comp_shift: torch.Tensor,
+                       log_phi_k_sel: torch.Tensor, v_sel: torch.Tensor):
+    """One-way clamped subtraction of retrieved tokens from a completion cache (fp64).
+
+    comp_a ``[..., F, d]``, comp_b / comp_shift ``[..., F]``, log_phi_k_sel ``[..., k, F]``,
+    v_sel ``[..., k, d]``. Returns ``(A' [..., F, d], b' [..., F])`` with ``b' >= 0`` and
+    ``A'_f = 0`` wherever ``b'_f = 0``.
+    """
+    w = torch.exp(log_phi_k_sel.double() - comp_shift.double().unsqueeze(-2))  # [..., k, F]
+    b2 = (comp_b.double() - w.sum(-2)).clamp_min(0.0)
+    a2 = comp_a.double() - w.transpose(-1, -2) @ v_sel.double()
+    a2 = torch.where((b2 > 0).unsqueeze(-1), a2, torch.zeros_like(a2))
+    return a2, b2
+
+
+# ----------------------------------------------------------------------------- decode step
+
+
+def _check_step_inputs(q, k_cache, v_cache, seq_lens, n_prefill):
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q must be [B, Hq, d] and k_cache / v_cache [B, Hkv, T, d] (same shape), got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    bsz, hq, d = q.shape
+    if k_cache.shape[0] != bsz or k_cache.shape[3] != d:
+        raise ValueError(f"k_cache must be [B={bsz}, Hkv, T, d={d}], got {tuple(k_cache.shape)}")
+    hkv, t = k_cache.shape[1], k_cache.shape[2]
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"Hq={hq} must be a positive multiple of Hkv={hkv}")
+    for name, x in (("seq_lens", seq_lens), ("n_prefill", n_prefill)):
+        if x.shape != (bsz,) or x.dtype.is_floating_point or x.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor [B={bsz}], got {x.dtype} {tuple(x.shape)}")
+    sl, npf = seq_lens.tolist(), n_prefill.tolist()
+    for i in range(bsz):
+        if not 1 <= sl[i] <= t:
+            raise ValueError(f"seq_lens[{i}] must be in [1, T={t}], got {sl[i]}")
+        if not 0 <= npf[i] <= sl[i]:
+            raise ValueError(f"n_prefill[{i}] must be in [0, seq_lens[{i}]={sl[i]}], got {npf[i]}")
+    return bsz, hq, hkv, d, sl, npf
+
+
+def hybrid_decode_step(q, k_cache, v_cache, seq_lens, n_prefill, *, n_sink: int, n_tail: int, top_k: int,
+                       scale: float | None = None, selector: Selector | None = None, completion=None,
+                       return_parts: bool = False):
+    """One decode step of the whole family (reference, fp64), see the module docstring.
+
+    q ``[B, Hq, d]``, k_cache / v_cache ``[B, Hkv, T, d]``, seq_lens / n_prefill ``[B]`` int.
+    completion: ``None`` (selection-only: softmax renormalised over the exact set; with
+    ``top_k = 0`` this is sink+tail) or ``(log_phi_q [B, Hq, F], log_phi_k [B, Hkv, T, F],
+    comp_A [B, Hkv, F, d], comp_b [B, Hkv, F], comp_shift [B, Hkv, F])``.
+    Returns ``out [B, Hq, d]`` in q's dtype; with ``return_parts`` also a dict of fp64
+    ``[B, Hq]`` tensors: ``lse_exact`` (log Σ_E e^{l_t}), ``lse_comp`` (log of the completion
+    denominator, -inf when none) and ``k_eff`` (retrieved tokens).
+    """
+    check_int("top_k", top_k, 0)
+    bsz, hq, hkv, d, sl, npf = _check_step_inputs(q, k_cache, v_cache, seq_lens, n_prefill)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    selector = ExhaustiveTopK() if selector is None else selector
+    grp = hq // hkv
+    if completion is not None:
+        log_phi_q, log_phi_k, comp_a, comp_b, comp_shift = completion
+        f = log_phi_q.shape[-1]
+        t = k_cache.shape[2]
+        for name, x, shape in (("log_phi_q", log_phi_q, (bsz, hq, f)), ("log_phi_k", log_phi_k, (bsz, hkv, t, f)),
+                               ("comp_A", comp_a, (bsz, hkv, f, d)), ("comp_b", comp_b, (bsz, hkv, f)),
+                               ("comp_shift", comp_shift, (bsz, hkv, f))):
+            if tuple(x.shape) != shape:
+                raise ValueError(f"{name} must have shape {list(shape)}, got {list(x.shape)}")
+    out = torch.empty(bsz, hq, d, dtype=torch.float64, device=q.device)
+    parts = {k: torch.full((bsz, hq), -math.inf, dtype=torch.float64) for k in ("lse_exact", "lse_comp")}
+    parts["k_eff"] = torch.zeros(bsz, hq, dtype=torch.int64)
+    heads = torch.arange(hq, device=q.device)
+    for i in range(bsz):
+        p = partition(npf[i], sl[i], n_sink=n_sink, n_tail=n_tail)
+        L = p.seq_len
+        kk = k_cache[i, :, :L].double().repeat_interleave(grp, 0)  # [Hq, L, d]
+        vv = v_cache[i, :, :L].double().repeat_interleave(grp, 0)
+        qd = q[i].double()
+        logits = scale * torch.einsum("hd,htd->ht", qd, kk)  # [Hq, L]
+        exact = torch.ones(hq, L, dtype=torch.bool, device=q.device)
+        exact[:, p.mid_start:p.mid_end] = False
+        k_eff = min(top_k, p.mid_len)
+        sel = torch.zeros(hq, 0, dtype=torch.int64, device=q.device)
+        if k_eff:
+            sel = torch.cat([selector.select(qd[g * grp:(g + 1) * grp], k_cache[i, g, p.mid_start:p.mid_end],
+                                             k_eff, scale) for g in range(hkv)])
+            exact[heads[:, None], p.mid_start + sel] = True
+        parts["k_eff"][i] = k_eff
+        le = logits.masked_fill(~exact, -math.inf)
+        m = le.amax(-1)
+        if completion is not None and k_eff < p.mid_len:  # R = M: nothing left to complete, exact
+            gi = torch.arange(hq, device=q.device) // grp
+            lpk_sel = log_phi_k[i][gi[:, None], p.mid_start + sel].double()  # [Hq, k, F]
+            a2, b2 = subtract_retrieved(comp_a[i][gi], comp_b[i][gi], comp_shift[i][gi], lpk_sel, vv[heads[:, None],
+                                        p.mid_start + sel])
+            la = log_phi_q[i].double() + comp_shift[i][gi].double() + torch.log(b2)  # -inf where b' = 0
+            m = torch.maximum(m, la.amax(-1))
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # nothing to attend: out = 0
+            wc = torch.exp(la - m[:, None])  # [Hq, F]
+            den_c = wc.sum(-1)
+            num_c = torch.einsum("hf,hfd->hd", wc, torch.where(b2[..., None] > 0, a2 / b2.clamp_min(1e-300)[..., None],
+                                                                torch.zeros_like(a2)))
+        else:
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            den_c = torch.zeros(hq, dtype=torch.float64, device=q.device)
+            num_c = torch.zeros(hq, d, dtype=torch.float64, device=q.device)
+        we = torch.exp(le - m[:, None])
+        den_e = we.sum(-1)
+        den = (den_e + den_c)[:, None]
+        out[i] = torch.where(den > 0, (torch.einsum("ht,htd->hd", we, vv) + num_c) / den.clamp_min(1e-300), 0.0)
+        parts["lse_exact"][i] = (torch.log(den_e) + m).cpu()
+        parts["lse_comp"][i] = (torch.log(den_c) + m).cpu()
+    out = out.to(q.dtype)
+    return (out, parts) if return_parts else out
+
+
+def retrieval_completion_step(q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A, comp_b,
+                              comp_shift, *, n_sink: int, n_tail: int, top_k: int,
+                              scale: float | None = None) -> torch.Tensor:
+    """Batched decode step of ``macattn::retrieval_completion`` (exhaustive Top-k), reference.
+
+    q ``[B, Hq, d]`` post-RoPE; k_cache / v_cache ``[B, Hkv, T, d]`` (post-RoPE keys); seq_lens
+    ``[B]`` int (tokens in cache incl. generated, ``<= T``); n_prefill ``[B]`` int (prefill length
+    ``N``); log_phi_q ``[B, Hq, F]`` fp32 (log φ_q(q)); log_phi_k ``[B, Hkv, T, F]`` (log φ_k of each
+    cached key; only mid rows are read); comp_A ``[B, Hkv, F, d]`` fp32, comp_b ``[B, Hkv, F]`` fp32,
+    comp_shift ``[B, Hkv, F]`` fp32 (stable completion cache over the mid region, see
+    ``build_completion_cache``). Returns out ``[B, Hq, d]`` in q's dtype. Semantics: module docstring.
+    """
+    return hybrid_decode_step(q, k_cache, v_cache, seq_lens, n_prefill, n_sink=n_sink, n_tail=n_tail, top_k=top_k,
+                              scale=scale, completion=(log_phi_q, log_phi_k, comp_A, comp_b, comp_shift))
+
+
+def selection_only_step(q, k_cache, v_cache, seq_lens, n_prefill, *, n_sink: int, n_tail: int, top_k: int,
+                        scale: float | None = None, selector: Selector | None = None) -> torch.Tensor:
+    """Baseline: softmax renormalised over sink ∪ tail ∪ Top-k(mid) ∪ generated (no completion)."""
+    return hybrid_decode_step(q, k_cache, v_cache, seq_lens, n_prefill, n_sink=n_sink, n_tail=n_tail, top_k=top_k,
+                              scale=scale, selector=selector)
+
+
+def sink_tail_step(q, k_cache, v_cache, seq_lens, n_prefill, *, n_sink: int, n_tail: int,
+                   scale: float | None = None) -> torch.Tensor:
+    """Baseline: softmax over sink ∪ tail ∪ generated only (StreamingLLM-style)."""
+    return hybrid_decode_step(q, k_cache, v_cache, seq_lens, n_prefill, n_sink=n_sink, n_tail=n_tail, top_k=0,
+                              scale=scale)
+
+
+def full_attention_step(q, k_cache, v_cache, seq_lens, *, scale: float | None = None) -> torch.Tensor:
+    """Exact decode attention over ``[0, seq_lens[i])`` (fp64 reference), ``[B, Hq, d]`` in q's dtype."""
+    n = torch.zeros_like(seq_lens)
+    return hybrid_decode_step(q, k_cache, v_cache, seq_lens, n, n_sink=0, n_tail=0, top_k=0, scale=scale)
+
+
+# ----------------------------------------------------------------------------- budget
+
+
+def token_equivalents(*, exact_tokens: int, feature_dim: int, head_dim: int, gen_len: int | None = 1,
+                      retrieved: int = 0, completion: bool = True) -> dict:
+    """Per-step KV reads of one KV head in token-equivalents (1 = one token's K and V, ``2d`` elements).
+
+    ``exact_tokens``: tokens read exactly this step (sink + tail + retrieved + generated).
+    With completion: the stable cache ``A [F, d], b [F], shift [F]`` is ``F·d + 2F`` elements,
+    i.e. ``(F·d + 2F) / (2d)`` token-equivalents, fetched once per request and amortised over
+    ``gen_len`` decode steps (``gen_len = 1`` is the paper's conservative worst case); plus
+    ``retrieved · F / (2d)`` per step for reading the retrieved tokens' ``log φ_k`` rows needed by
+    the subtraction (the paper does not charge these; we do — they could instead be recomputed
+    from the keys with φ_k). Returns a dict with the parts and ``total``.
+    """
+    check_int("exact_tokens", exact_tokens, 0)
+    check_int("feature_dim", feature_dim, 1)
+    check_int("head_dim", head_dim, 1)
+    check_int("retrieved", retrieved, 0)
+    if gen_len is not None:
+        check_int("gen_len", gen_len, 1)
+    cache = (feature_dim * head_dim + 2 * feature_dim) / (2 * head_dim) if completion else 0.0
+    amort = cache / (1 if gen_len is None else gen_len)
+    feat = retrieved * feature_dim / (2 * head_dim) if completion else 0.0
+    return {"exact": float(exact_tokens), "cache_once": cache, "cache_amortised": amort, "feature_reads": feat,
+            "total": exact_tokens + amort + feat}
+
+
+def budget_top_k(budget_tokens: float, *, anchors: int, feature_dim: int, head_dim: int, gen_len: int = 1,
+                 completion: bool, mid_len: int) -> int | None:
+    """Largest retrieved count ``k`` whose per-step token-equivalents fit ``budget_tokens``.
+
+    anchors: always-exact tokens (sink + tail + generated). Selection-only spends
+    ``anchors + k``; completion ``anchors + k + cache/gen_len + k·F/(2d)``. Returns ``None`` when
+    even ``k = 0`` does not fit (the paper's "–" entry), else ``min(k, mid_len)``.
+    """
+    fixed = token_equivalents(exact_tokens=anchors, feature_dim=feature_dim, head_dim=head_dim, gen_len=gen_len,
+                              completion=completion)["total"]
+    per_tok = 1.0 + (feature_dim / (2 * head_dim) if completion else 0.0)
+    room = budget_tokens - fixed
+    if room < 0:
+        return None
+    return min(mid_len, int(math.floor(room / per_tok + 1e-9)))

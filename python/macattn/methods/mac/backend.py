@@ -1,0 +1,136 @@
+"""MAC as an ``AttentionMethod`` (SPEC §1): prefill runs the model's attention and seeds the
+rings; decode matches the pre-RoPE query against the ring, reuses the matched step's rectified
+summary and recomputes band + tail (``torch.ops.macattn.mac_match`` / ``mac_attend``: the
+Triton kernels on CUDA once ``macattn.methods.kernels.register_kernels()`` ran, the reference
+elsewhere), or — under the runtime on CUDA — the bucket's ``MacDecodePlan`` over the paged pool.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from macattn.core.attention import check_no_padding, full_attention_reference
+from macattn.methods.base import AttentionMethod, Capabilities, ModelDims, StepContext
+from macattn.methods.mac import ops  # noqa: F401  (defines torch.ops.macattn.mac_match / mac_attend)
+from macattn.methods.mac.config import MacConfig
+from macattn.methods.mac.reference import rectified_summaries_reference
+from macattn.methods.mac.seeding import seed_rings_
+from macattn.methods.mac.state import MacState
+
+__all__ = ["MacAttention"]
+
+
+class MacAttention(AttentionMethod):
+    """MAC over ``num_slots`` request rows of rings (``self.state``).
+
+    Static settings (set before running, never per step): ``record_error`` — every decode step
+    also computes full attention and keeps ``||mac - full|| / ||full||`` per layer in
+    ``layer_errors`` (diagnostics only); ``collect_diagnostics`` — hit / skip / gap per layer
+    and head into ``state.diagnostics`` (the runtime's GPU decode records them after the step).
+    Outputs of the latest decode call: ``last_match_pos[layer]`` ``[B, Hq]`` int64 (-1 miss).
+    Without a runtime (``StepContext.slots`` None, plain ``model.generate``) a fresh prompt takes
+    ``B`` fresh rows (``slots``) and releases the previous call's.
+    """
+
+    name: ClassVar[str] = "mac"
+    config_type: ClassVar[type] = MacConfig
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        paged_kv=True, cuda_graphs=True, onnx_export=True, tensorrt_plugin=True, needs_pre_rope_query=True,
+        miss_policies=("full",))
+
+    def __init__(self, config: MacConfig, dims: ModelDims, *, num_slots: int,
+                 query_dtype: torch.dtype | None = None) -> None:
+        super().__init__(config, dims, num_slots=num_slots)
+        self.state = MacState.allocate(config, num_layers=dims.num_layers, num_slots=num_slots,
+                                       num_q_heads=dims.num_q_heads, head_dim=dims.head_dim,
+                                       query_dtype=query_dtype or dims.dtype, device=dims.device)
+        self.record_error = False
+        self.collect_diagnostics = True
+        self.layer_errors: dict[int, list[float]] = {}
+        self.last_match_pos: dict[int, torch.Tensor] = {}
+        self.slots: torch.Tensor | None = None      # plain-transformers rows (no runtime)
+
+    def slot_states(self):
+        return {"mac": self.state}
+
+    # --- plain transformers use (no runtime) -------------------------------------------------
+    def start_batch(self, batch_size: int) -> None:
+        """Release the previous call's rows and take fresh (reset) ones for ``batch_size`` requests."""
+        self.release()
+        if batch_size > self.state.num_slots:
+            raise ValueError(f"batch_size must be <= num_slots={self.state.num_slots}, got {batch_size}")
+        self.slots = torch.tensor([self.state.acquire() for _ in range(batch_size)], dtype=torch.int64)
+
+    def release(self) -> None:
+        if self.slots is not None:
+            for s in self.slots.tolist():
+                self.state.release(s)
+        self.slots = None
+
+    def _slots(self, step: StepContext) -> torch.Tensor | None:
+        return step.slots if step.slots is not None else self.slots
+
+    def _rings(self, step: StepContext, layer: int):
+        return self.state.layer(layer) if step.rings is None else step.rings[layer]
+
+    # --- attention ---------------------------------------------------------------------------
+    def prefill(self, module, layer, query, key, value, q_pre, attention_mask, scale, step, fallback, **kwargs):
+        B, Hq, T, d = query.shape
+        S = key.shape[2]
+        params = self.config.for_layer(layer)
+        out, _ = fallback(module, query, key, value, attention_mask, scaling=scale, **kwargs)
+        if S == T and layer == 0 and step.slots is None:
+            self.start_batch(B)
+        slots = self._slots(step)
+        if slots is None:
+            raise RuntimeError("MAC prefill of a continued sequence without a batch; call start_batch first")
+        if S == T:   # a fresh prompt: reset and seed whole ring rows with tensor ops (traceable)
+            seed_rings_(self._rings(step, layer), slots.to(query.device), query, q_pre, key, value,
+                        band=params.band, scale=scale)
+            return out
+        if step.rings is not None:
+            raise NotImplementedError("graph export supports prefill of a fresh prompt only")
+        # a prompt continued in chunks: seed the chunk's positions on top of the ring
+        n = min(params.window, T)
+        qpos = torch.arange(S - n, S, device=query.device)
+        summ = rectified_summaries_reference(query[:, :, T - n:], key, value, qpos, band=params.band, scale=scale)
+        for b, slot in enumerate(slots.tolist()):
+            self.state.seed(layer, slot, qpos, q_pre[b, :, T - n:], type(summ)(summ.o[b], summ.lse[b]))
+        return out
+
+    def decode(self, module, layer, query, key, value, q_pre, attention_mask, scale, step, fallback, **kwargs):
+        B, Hq, _, d = query.shape
+        S = key.shape[2]
+        slots = self._slots(step)
+        if slots is None or slots.numel() != B:
+            raise RuntimeError(f"MAC decode for a batch of {B} without a matching prefill")
+        if step.positions is None:
+            check_no_padding(attention_mask)
+            positions = torch.full((B,), S - 1, dtype=torch.int64, device=query.device)
+        else:
+            positions = step.positions.to(device=query.device, dtype=torch.int64)
+            if positions.shape != (B,):
+                raise ValueError(f"StepContext.positions must be [B]={B}, got {tuple(positions.shape)}")
+        slots = slots.to(query.device)
+        params = self.config.for_layer(layer)
+        q, qp = query[:, :, 0], q_pre[:, :, 0]
+        rings = self._rings(step, layer)
+        if step.paged is not None:
+            return step.paged.attend(layer, params, q, qp, key, value, positions, slots, rings).unsqueeze(1)
+        if params.enabled:
+            match_pos, _ = torch.ops.macattn.mac_match(qp, rings[0], rings[2], rings[3], slots, positions,
+                                                        params.band, params.tau)
+        else:
+            match_pos = torch.full((B, Hq), -1, dtype=torch.int64, device=query.device)
+        out = torch.ops.macattn.mac_attend(q, qp, key, value, positions, match_pos, slots, *rings,
+                                           params.band, float(scale))
+        self.last_match_pos[layer] = match_pos
+        if self.collect_diagnostics and step.rings is None:
+            self.state.diagnostics.record(layer, match_pos, positions, params.band)
+        if self.record_error:
+            full = full_attention_reference(q, key, value, positions, scale=scale)
+            err = (out.to(full.dtype) - full).norm() / full.norm().clamp(min=1e-30)
+            self.layer_errors.setdefault(layer, []).append(float(err))
+        return out.unsqueeze(1)
+

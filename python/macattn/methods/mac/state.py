@@ -1,0 +1,147 @@
+"""Decode-time state owned by the runtime: MAC rings for every layer and request slot.
+
+One ``MacState`` holds, per layer ``l`` (``S`` slots, ``Hq`` query heads, ``K_l`` the
+layer's window, ``d`` head dim):
+
+============  =====================  ==========================================
+field         shape                  dtype
+============  =====================  ==========================================
+qring[l]      ``[S, Hq, K_l, d]``    ``query_dtype`` (bf16 on the GPU)
+oring[l]      ``[S, Hq, K_l, d]``    ``summary_dtype`` (fp32 by default)
+ring_lse[l]   ``[S, Hq, K_l]``       fp32, ``-inf`` = empty summary
+ring_pos[l]   ``[S, K_l]``           int64, ``-1`` = empty slot
+in_use        ``[S]``                bool
+============  =====================  ==========================================
+
+A request owns one slot from ``acquire()`` to ``release()``; both reset the slot's rows
+(positions ``-1``, ``lse = -inf``, queries and outputs zeroed) so no entry of one request
+is ever a match candidate for another.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from macattn.methods.mac.config import MacConfig
+from macattn.core.summaries import AttentionSummary
+
+from macattn.core.slot_pool import SlotPool
+
+__all__ = ["MacState", "MacDiagnostics"]
+
+
+@dataclass
+class MacDiagnostics:
+    """Per layer × query head accumulators (SPEC §1.5), fp64 ``[L, Hq]``."""
+
+    steps: torch.Tensor
+    hits: torch.Tensor
+    skipped: torch.Tensor   # sum of (p - r)_+ / m over steps (misses add 0)
+    gap: torch.Tensor       # sum of m - p over hits
+
+    @classmethod
+    def zeros(cls, num_layers: int, num_heads: int) -> "MacDiagnostics":
+        z = lambda: torch.zeros(num_layers, num_heads, dtype=torch.float64)  # noqa: E731
+        return cls(z(), z(), z(), z())
+
+    def record(self, layer: int, match_pos: torch.Tensor, positions: torch.Tensor, band: int) -> None:
+        """Add one step of ``match_pos [B, Hq]`` (-1 miss) at ``positions [B]``."""
+        mp = match_pos.detach().to("cpu", torch.float64)
+        m = positions.detach().to("cpu", torch.float64).unsqueeze(1)
+        hit = mp >= 0
+        self.steps[layer] += mp.shape[0]
+        self.hits[layer] += hit.sum(0)
+        self.skipped[layer] += torch.where(hit, (mp - band).clamp(min=0) / m.clamp(min=1), 0.0).sum(0)
+        self.gap[layer] += torch.where(hit, m - mp, 0.0).sum(0)
+
+    def reset(self) -> None:
+        for t in (self.steps, self.hits, self.skipped, self.gap):
+            t.zero_()
+
+    @property
+    def hit_rate(self) -> torch.Tensor:
+        return self.hits / self.steps.clamp(min=1)
+
+    @property
+    def skipped_prefix(self) -> torch.Tensor:
+        return self.skipped / self.steps.clamp(min=1)
+
+    @property
+    def mean_gap(self) -> torch.Tensor:
+        return self.gap / self.hits.clamp(min=1)
+
+    def as_dict(self) -> dict:
+        return {"hit_rate": self.hit_rate.tolist(), "skipped_prefix": self.skipped_prefix.tolist(),
+                "mean_gap": self.mean_gap.tolist(), "steps": self.steps[:, 0].tolist()}
+
+
+@dataclass
+class MacState(SlotPool):
+    """Rings of all layers and slots; see the module docstring for shapes and dtypes."""
+
+    SLOT_KIND = "MAC"
+
+    config: MacConfig
+    qring: list[torch.Tensor]
+    oring: list[torch.Tensor]
+    ring_lse: list[torch.Tensor]
+    ring_pos: list[torch.Tensor]
+    in_use: torch.Tensor
+    diagnostics: MacDiagnostics
+    _free: list[int] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def allocate(cls, config: MacConfig, *, num_layers: int, num_slots: int, num_q_heads: int,
+                 head_dim: int, query_dtype: torch.dtype = torch.bfloat16,
+                 summary_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "MacState":
+        for name, val in (("num_layers", num_layers), ("num_slots", num_slots),
+                          ("num_q_heads", num_q_heads), ("head_dim", head_dim)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+        qring, oring, lse, pos = [], [], [], []
+        for layer in range(num_layers):
+            K = config.for_layer(layer).window
+            qring.append(torch.zeros(num_slots, num_q_heads, K, head_dim, dtype=query_dtype, device=device))
+            oring.append(torch.zeros(num_slots, num_q_heads, K, head_dim, dtype=summary_dtype, device=device))
+            lse.append(torch.full((num_slots, num_q_heads, K), float("-inf"), dtype=torch.float32, device=device))
+            pos.append(torch.full((num_slots, K), -1, dtype=torch.int64, device=device))
+        return cls(config, qring, oring, lse, pos,
+                   torch.zeros(num_slots, dtype=torch.bool),
+                   MacDiagnostics.zeros(num_layers, num_q_heads),
+                   list(range(num_slots - 1, -1, -1)))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.qring)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(qring, oring, ring_lse, ring_pos)`` of layer ``i``."""
+        return self.qring[i], self.oring[i], self.ring_lse[i], self.ring_pos[i]
+
+    def reset(self, slot: int) -> None:
+        """Empty every ring row of ``slot`` in every layer."""
+        self._check_slot(slot)
+        for q, o, l, p in zip(self.qring, self.oring, self.ring_lse, self.ring_pos):
+            q[slot].zero_()
+            o[slot].zero_()
+            l[slot].fill_(float("-inf"))
+            p[slot].fill_(-1)
+
+    def seed(self, layer: int, slot: int, positions: torch.Tensor, q_pre: torch.Tensor,
+             summary: AttentionSummary) -> None:
+        """Write prefill positions ``[n]`` with their pre-RoPE queries ``[Hq, n, d]`` and
+        rectified summaries (o ``[Hq, n, d]``, lse ``[Hq, n]``) into ``slot`` of ``layer``.
+
+        Only the last ``K`` positions are kept (earlier ones would be overwritten).
+        """
+        self._check_slot(slot)
+        qring, oring, lse, pos = self.layer(layer)
+        K = qring.shape[2]
+        keep = slice(max(0, positions.numel() - K), None)
+        positions = positions[keep].to(pos.device)
+        col = positions % K
+        qring[slot][:, col] = q_pre[:, keep].to(qring.dtype)
+        oring[slot][:, col] = summary.o[:, keep].to(oring.dtype)
+        lse[slot][:, col] = summary.lse[:, keep].to(lse.dtype)
+        pos[slot][col] = positions

@@ -1,0 +1,104 @@
+"""``macattn tune``: the per-layer search respects its error budget and writes a loadable MacConfig."""
+import argparse
+import json
+
+import pytest
+import torch
+
+from macattn.methods.mac.config import MacConfig
+from macattn.evaluation.harness import byte_encoder
+from macattn.apps.tune import TuneSettings, calibration_prompts, measure, register, tune
+
+ENC = byte_encoder(2048)
+HAY = torch.randint(300, 2048, (4096,), generator=torch.Generator().manual_seed(1)).tolist()
+BASE = MacConfig(window=64, band=16, tau=0.45)
+
+
+def _small_model():
+    from macattn.models.builtin import build_builtin_model
+
+    return build_builtin_model("llama", seed=0, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = _small_model()
+    settings = TuneSettings(taus=(0.0, 0.9), windows=(64,), bands=(0, 32), lengths=(256,), n=1, gen=3,
+                            error_budget=0.05)
+    return model, settings, calibration_prompts(model, settings, ENC, HAY, progress=False)
+
+
+def test_fixed_budget_is_respected_and_file_loads(setup, tmp_path):
+    model, settings, prompts = setup
+    cfg, report = tune(model, settings, prompts, base=BASE, progress=False)
+    cal = report["calibration"]["tuned"]
+    for i in range(2):
+        p = cfg.for_layer(i)
+        assert cal["error"][i] <= settings.error_budget or not p.enabled
+        assert (p.tau, p.window, p.band) in {(t, k, r) for t in settings.taus + (BASE.tau,)
+                                             for k in settings.windows + (BASE.window,)
+                                             for r in settings.bands + (BASE.band,)}
+    # the chosen candidate per layer has the largest calibration skip among those within budget
+    grid, stats = report["grid"], report["grid_stats"]
+    best = max(s["skip"][0] for s in stats if s["error"][0] <= settings.error_budget)
+    chosen = next(s for c, s in zip(grid, stats) if (c["tau"], c["window"], c["band"]) ==
+                  (cfg.for_layer(0).tau, cfg.for_layer(0).window, cfg.for_layer(0).band))
+    assert chosen["skip"][0] == best or len(report["rounds"]) > 1
+    cfg.save(tmp_path / "per_layer.json")
+    back = MacConfig.load(tmp_path / "per_layer.json")
+    assert back == cfg and [back.for_layer(i) for i in range(2)] == [cfg.for_layer(i) for i in range(2)]
+    # the measured skip of the written config is what the report says
+    again = measure(model, back, prompts)
+    assert again["skip"] == pytest.approx(cal["skip"]) and again["error"] == pytest.approx(cal["error"], rel=1e-4)
+
+
+def test_tiny_budget_disables_every_layer(setup):
+    model, settings, prompts = setup
+    tight = TuneSettings(**{**settings.__dict__, "error_budget": 1e-12, "taus": (0.0,), "bands": (16,)})
+    cfg, report = tune(model, tight, prompts, base=MacConfig(window=64, band=16, tau=0.0), progress=False)
+    assert [cfg.for_layer(i).enabled for i in range(2)] == [False, False]
+    assert max(report["calibration"]["tuned"]["error"]) < 1e-5 and report["calibration"]["tuned"]["mean_skip"] == 0
+
+
+def test_default_budget_never_trades_error_and_reports_held_out(setup):
+    model, settings, prompts = setup
+    auto = TuneSettings(**{**settings.__dict__, "error_budget": None, "bands": (32,)})
+    held = calibration_prompts(model, auto, ENC, HAY, held_out=True, progress=False)
+    assert held[0][0].tolist() != prompts[0][0].tolist()
+    cfg, report = tune(model, auto, prompts, base=BASE, held_out=held, progress=False)
+    budget, cal = report["budget_per_layer"], report["calibration"]
+    assert budget == cal["default"]["error"]
+    for i in range(2):
+        assert cal["tuned"]["error"][i] <= budget[i] * (1 + 1e-6) or cfg.for_layer(i) == BASE.for_layer(i)
+    h = report["held_out"]
+    assert h["tuned_beats_default"] == (h["tuned"]["mean_skip"] >= h["default"]["mean_skip"]
+                                        and h["tuned"]["mean_error"] <= h["default"]["mean_error"])
+    json.dumps(report)
+
+
+def test_settings_validation():
+    with pytest.raises(ValueError, match="error_budget"):
+        TuneSettings(error_budget=0.0)
+    with pytest.raises(ValueError, match="taus"):
+        TuneSettings(taus=(1.0,))
+    with pytest.raises(ValueError, match="windows"):
+        TuneSettings(windows=())
+    with pytest.raises(ValueError, match="gen"):
+        TuneSettings(gen=1)
+
+
+def test_cli_writes_config_and_report(tmp_path, monkeypatch):
+    import macattn.evaluation.harness as harness
+
+    monkeypatch.setattr(harness, "load_eval_model", lambda which, **kw: (_small_model(), ENC, HAY, [], "test"))
+    p = argparse.ArgumentParser()
+    register(p.add_subparsers())
+    out, rep = tmp_path / "tune.json", tmp_path / "tune_report.json"
+    a = p.parse_args(["tune", "--model", "random", "--taus", "0.0", "--windows", "64", "--bands", "16",
+                      "--lengths", "200", "--n", "1", "--gen", "2", "--window", "64", "--band", "0", "--tau", "0.0",
+                      "--out", str(out), "--report", str(rep)])
+    assert a.func(a) == 0
+    cfg = MacConfig.load(out)
+    report = json.loads(rep.read_text())
+    assert cfg.to_dict() == report["tuned_config"] and "tuned_beats_default" in report["held_out"]
