@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import LLAMA_8B, TINY  # noqa: E402
 
-from macattn.methods.a3.reference import A3Config  # noqa: E402
+from macattn.methods.a3.config import A3Config
 from macattn.runtime.a3_assembly import RagPrompt, fuse_prefix, prefill_question  # noqa: E402
 from macattn.runtime.chunk_store import ChunkKVStore  # noqa: E402
 

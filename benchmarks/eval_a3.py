@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from macattn.methods.a3.reference import A3Config, FusionMethod
+from macattn.methods.a3.config import A3Config, FusionMethod
 from macattn.runtime.a3_assembly import RagPrompt, fuse_prefix, prefill_question, _forward
 from macattn.runtime.chunk_store import ChunkKVStore, model_fingerprint
 

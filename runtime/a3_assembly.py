@@ -31,8 +31,8 @@ from typing import Callable
 
 import torch
 
-from macattn.methods.a3.reference import (A3Config, FusionMethod, question_attention_scores, recompute_budget, sink_selection,
-                        top_tokens, value_deviation_scores)
+from macattn.methods.a3.config import A3Config, FusionMethod
+from macattn.methods.a3.reference import (question_attention_scores, recompute_budget, sink_selection, top_tokens, value_deviation_scores)
 from macattn.models.attention import plain_attention
 
 from macattn.runtime.chunk_store import ChunkKVStore, _ids_tensor, precompute_chunk_kv
@@ -301,27 +301,6 @@ def fused_generate(model, prompt: RagPrompt, config: A3Config, *, max_new_tokens
             pos += 1
     result.cache.write_pos = None
     return tokens, result
-
-
-def runtime_prefill(io, seq) -> torch.Tensor:
-    """The engine's prefill of a request carrying ``seq.rag = (RagPrompt, A3Config, store)``,
-    through the executor's ``PrefillIO``: the fused prefix is written to the request's paged KV
-    rows, then the question runs through the bound model as a continued prefill (so MAC seeds
-    the request's ring rows from the question tokens). Returns the last position's logits ``[V]``."""
-    prompt, config, store = seq.rag
-    if config.method is FusionMethod.FULL_RECOMPUTE:
-        return io.prefill_plain()
-    if io.has_fastmka:
-        raise NotImplementedError("A3 fused prefill is not supported on FastMKA-patched models")
-    model = io.model
-    with torch.inference_mode():
-        result = fuse_prefix(model, prompt, config, chunk_kv=chunk_kv_source(model, store))
-    P = prompt.num_prefix
-    io.write_kv(0, [result.cache.k[layer][0, :, :P] for layer in range(len(result.cache.k))],
-                [result.cache.v[layer][0, :, :P] for layer in range(len(result.cache.v))])
-    logits = io.continue_prefill(prompt.question, P)
-    seq.rag_stats = dict(result.stats)
-    return logits
 
 
 def split_rag_prompt(input_ids, rag_lengths) -> RagPrompt:

@@ -8,6 +8,7 @@ thread drives an engine (the Triton model drives it from its own loop thread).
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -68,38 +69,45 @@ class LLMEngine:
     method: the attention method, by registry name (``macattn.methods.registry``) or as a
     factory ``num_slots -> AttentionMethod``; default ``"mac"`` with ``mac_config`` (None = MAC
     disabled: every step runs full attention through the same ops). ``method_config`` is the
-    named method's config (default: its config type's defaults).
+    named method's config (default: its config type's defaults); ``method_kwargs`` its other
+    constructor arguments (e.g. retrieval-completion's ``maps``). A method whose constructor takes
+    ``max_seq_len`` gets the runtime's.
     """
 
     def __init__(self, model, mac_config: MacConfig | None = None, config: RuntimeConfig | None = None, *,
-                 method: str | Callable[[int], AttentionMethod] = "mac", method_config=None) -> None:
+                 method: str | Callable[[int], AttentionMethod] = "mac", method_config=None,
+                 method_kwargs: dict | None = None) -> None:
         config = (config or RuntimeConfig()).resolved(model.config.max_position_embeddings)
         self.config = config
         self.mac_config = mac_config if mac_config is not None else MacConfig(enabled=False)
         self.mac_config.require_full_misses("ModelRunner")
-        factory = method if callable(method) else self._factory(model, method, method_config)
+        factory = method if callable(method) else self._factory(model, method, method_config, method_kwargs or {})
         self.executor = ModelExecutor(model, factory, config)
         self.method = self.executor.method
         self.slot_states = SlotStates(self.executor.num_slots)
         for name, state in self.method.slot_states().items():
             self.slot_states.register(name, state)
-        if self.executor.mka_state is not None:
-            self.slot_states.register("fastmka", self.executor.mka_state)
+        if self.executor.mka is not None:
+            for name, state in self.executor.mka.slot_states().items():
+                self.slot_states.register(name, state)
         if self.executor.paged is not None:    # the padding rows' scratch, never a request's
             self.executor.reserve_scratch(self.slot_states.acquire())
         self.scheduler = Scheduler(self.slot_states, self.executor.blocks)
         self.vocab_size = model.config.vocab_size
         self.requests: dict[int, Sequence] = {}
 
-    def _factory(self, model, name: str, method_config):
+    def _factory(self, model, name: str, method_config, kwargs: dict):
         cls = method_class(name)
+        if "max_seq_len" in inspect.signature(cls.__init__).parameters:
+            kwargs = {"max_seq_len": self.config.max_seq_len, **kwargs}
         if cls is MacAttention:
             if method_config is not None:
                 raise ValueError("pass MAC's config as mac_config, not method_config")
             method_config = self.mac_config
         elif method_config is None:
             method_config = cls.config_type()
-        return lambda num_slots: cls(method_config, ModelDims.of(model.to(self.config.device)), num_slots=num_slots)
+        return lambda num_slots: cls(method_config, ModelDims.of(model.to(self.config.device)), num_slots=num_slots,
+                                     **kwargs)
 
     @property
     def mac_state(self):

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import torch
 
+from macattn.methods.a3.backend import A3Prefill
+from macattn.methods.a3.config import A3Config
 from macattn.methods.base import AttentionMethod, StepContext
+from macattn.methods.mka.backend import FastMka
 from macattn.models.attention import bind
 
-from .block_manager import BlockManager
-from .config import RuntimeConfig
-from .kv_cache import DecodeView, PagedKVCache, PrefillView
-from .sequence import Sequence
+from macattn.runtime.block_manager import BlockManager
+from macattn.runtime.config import RuntimeConfig
+from macattn.runtime.kv_cache import DecodeView, PagedKVCache, PrefillView
+from macattn.runtime.sequence import Sequence
 
 __all__ = ["ModelExecutor", "PrefillIO"]
 
@@ -47,24 +50,23 @@ class ModelExecutor:
         self.head_dim = self.method.dims.head_dim
         self.dtype = self.method.dims.dtype
         self.blocks = BlockManager(config.num_blocks, config.block_size)
-        self.kv = PagedKVCache(num_layers=self.num_layers, num_blocks=config.num_blocks + gpu,
+        self.paged_kv = self.method.capabilities.paged_kv   # False: the method's state is the KV cache
+        self.kv = None if not self.paged_kv else PagedKVCache(num_layers=self.num_layers, num_blocks=config.num_blocks + gpu,
                                block_size=config.block_size, num_kv_heads=hf.num_key_value_heads,
                                head_dim=self.head_dim, dtype=self.dtype, device=self.device)
-        # FastMKA (``macattn.models.mka.patch_mka`` applied before): its per-request session summary
-        # lives in runtime-owned rows, the same slots as the method's state (registered by the engine)
+        # FastMKA (``macattn.models.mka.patch_mka`` applied before) composes with the method: its
+        # per-request session summary lives in runtime-owned rows (the same slots)
         self.mka_ctx = getattr(self.model, "_mka_ctx", None)
-        self.mka_state = None
+        self.mka = None
         if self.mka_ctx is not None:
-            from macattn.methods.mka.state import MkaState
-
-            self.mka_state = MkaState.allocate(num_layers=self.num_layers, num_slots=self.num_slots,
-                                               hidden_size=hf.hidden_size, device=self.device)
-            self.mka_ctx.bind_runtime(self.mka_state, self.binding)
+            self.mka = FastMka(self.mka_ctx.config, self.method.dims, num_slots=self.num_slots)
+            self.mka_ctx.bind_runtime(self.mka.state, self.binding)
+        self.a3 = A3Prefill(A3Config(), self.method.dims, num_slots=self.num_slots) if self.paged_kv else None
         self.scratch_slot = None
         self.scratch_block = config.num_blocks if gpu else None
         self.paged = None
-        if gpu:
-            from .paged_decode import PagedDecoder
+        if gpu and self.paged_kv:
+            from macattn.runtime.paged_decode import PagedDecoder
 
             self.paged = PagedDecoder(self, use_cuda_graphs=config.use_cuda_graphs)
 
@@ -81,12 +83,13 @@ class ModelExecutor:
         return self.binding.step(StepContext(slots=slots, positions=positions, paged=paged))
 
     def prefill(self, seq: Sequence) -> torch.Tensor:
-        """Prefill ``seq``: an A3 fused prefill when it carries ``seq.rag``
-        (``macattn.runtime.a3_assembly.runtime_prefill``), else ``prefill_plain``."""
+        """Prefill ``seq``: A3's ``prefill_request`` when it carries a chunked prompt (``seq.rag``),
+        else ``prefill_plain``."""
         if seq.rag is not None:
-            from .a3_assembly import runtime_prefill
-
-            return runtime_prefill(PrefillIO(self, seq), seq)
+            if self.a3 is None:
+                raise ValueError(f"chunked (A3) prompts need a method over the paged KV cache; "
+                                 f"{self.method.name!r} keeps its own")
+            return self.a3.prefill_request(PrefillIO(self, seq), seq)
         return self.prefill_plain(seq)
 
     @torch.inference_mode()
@@ -96,6 +99,9 @@ class ModelExecutor:
         L = len(seq.prompt)
         ids = torch.tensor([seq.prompt], dtype=torch.int64, device=self.device)
         pos = torch.arange(L, device=self.device).unsqueeze(0)
+        if not self.paged_kv:
+            with self.step(slots=torch.tensor([seq.slot], dtype=torch.int64)):
+                return self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1).logits[0, -1]
         mask = torch.ones(L, L, dtype=torch.bool, device=self.device).tril().view(1, 1, L, L)
         view = PrefillView(self.kv, self.blocks.rows(seq, 0, L))
         with self.step(slots=torch.tensor([seq.slot], dtype=torch.int64)):
@@ -113,12 +119,17 @@ class ModelExecutor:
         m = [s.num_tokens - 1 for s in seqs]
         ids = torch.tensor([[s.output[-1]] for s in seqs], dtype=torch.int64, device=self.device)
         positions = torch.tensor(m, dtype=torch.int64, device=self.device)
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64)
+        if not self.paged_kv:
+            with self.step(slots=slots, positions=positions):
+                out = self.model(input_ids=ids, position_ids=positions.view(B, 1), use_cache=False, logits_to_keep=1)
+            return out.logits[:, -1]
         lengths = [x + 1 for x in m]
         gather = self.blocks.gather_rows(seqs, lengths)                         # [B, T]
         write = torch.stack([self.blocks.rows(s, x, x + 1)[0] for s, x in zip(seqs, m)])
         T = gather.shape[1]
         mask = (torch.arange(T, device=self.device).view(1, T) <= positions.view(B, 1)).view(B, 1, 1, T)
-        with self.step(slots=torch.tensor([s.slot for s in seqs], dtype=torch.int64), positions=positions):
+        with self.step(slots=slots, positions=positions):
             out = self.model(input_ids=ids, position_ids=positions.view(B, 1), attention_mask=mask,
                              past_key_values=DecodeView(self.kv, write, gather), use_cache=True,
                              logits_to_keep=1)
@@ -161,6 +172,17 @@ class PrefillIO:
     @property
     def has_fastmka(self) -> bool:
         return self._ex.mka_ctx is not None
+
+    @torch.inference_mode()
+    def fuse_prefix(self, prompt, config, store):
+        """A3's fused prefix of ``prompt`` (``macattn.runtime.a3_assembly.fuse_prefix``, chunk K/V from
+        ``store``): ``(k, v, stats)`` with ``k[l], v[l]`` ``[Hkv, P, d]`` post-RoPE, ``P`` = prefix length."""
+        from macattn.runtime.a3_assembly import chunk_kv_source, fuse_prefix
+
+        model = self._ex.model
+        result = fuse_prefix(model, prompt, config, chunk_kv=chunk_kv_source(model, store))
+        P = prompt.num_prefix
+        return ([k[0, :, :P] for k in result.cache.k], [v[0, :, :P] for v in result.cache.v], result.stats)
 
     def prefill_plain(self) -> torch.Tensor:
         return self._ex.prefill_plain(self._seq)

@@ -42,9 +42,11 @@ class ModelRunner:
     @classmethod
     def from_hf(cls, model_or_dir, mac_config: MacConfig | None = None, *,
                 runtime_config: RuntimeConfig | None = None, torch_dtype: torch.dtype | None = None,
-                a3=None, **runtime_kwargs) -> "ModelRunner":
-        """model_or_dir: a transformers ``*ForCausalLM`` (patched in place) or a directory /
+                a3=None, method: str = "mac", method_config=None, method_kwargs: dict | None = None,
+                **runtime_kwargs) -> "ModelRunner":
+        """model_or_dir: a transformers ``*ForCausalLM`` (bound in place) or a directory /
         hub name for ``AutoModelForCausalLM.from_pretrained``. mac_config None = MAC off.
+        method / method_config / method_kwargs: the attention method (``LLMEngine``).
         a3: ``macattn.methods.a3.reference.A3Config``, the default KV fusion of ``generate(..., documents=...)``."""
         if runtime_config is None:
             runtime_config = RuntimeConfig(**runtime_kwargs)
@@ -58,7 +60,8 @@ class ModelRunner:
                                                          dtype=torch_dtype or "auto")
         elif torch_dtype is not None:
             model = model.to(torch_dtype)
-        return cls(LLMEngine(model, mac_config, runtime_config), a3=a3)
+        return cls(LLMEngine(model, mac_config, runtime_config, method=method, method_config=method_config,
+                             method_kwargs=method_kwargs), a3=a3)
 
     @classmethod
     def from_dir(cls, engine_dir, *, mac_config: MacConfig | None = None,
@@ -146,7 +149,7 @@ class ModelRunner:
             if question_ids is not None or a3 is not None:
                 raise ValueError("question_ids / a3 need documents (chunked prompts)")
             return None
-        from macattn.methods.a3.reference import A3Config
+        from macattn.methods.a3.config import A3Config
 
         from macattn.runtime.a3_assembly import RagPrompt
         n = len(batch_input_ids)

@@ -89,7 +89,7 @@ class TritonPythonModel:
         mac = MacConfig.from_dict(json.loads(params["mac_config"])) if "mac_config" in params else None
         self.engine = ModelRunner.from_dir(params["engine_dir"], mac_config=mac, runtime_config=rc).engine
         # A3 chunked prompts (optional input rag_lengths): fusion config from the a3_config parameter
-        from macattn.methods.a3.reference import A3Config
+        from macattn.methods.a3.config import A3Config
         from macattn.runtime.chunk_store import ChunkKVStore, model_fingerprint
 
         self.a3 = A3Config(**json.loads(params["a3_config"])) if "a3_config" in params else A3Config()

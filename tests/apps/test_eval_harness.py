@@ -10,7 +10,7 @@ import torch
 from macattn.methods.mac.config import MacConfig
 from macattn.evaluation import tasks as T
 from macattn.evaluation.harness import EvalSettings, byte_encoder, register, run_eval
-from macattn.methods.a3.reference import A3Config
+from macattn.methods.a3.config import A3Config
 from macattn.evaluation.methods import A3Fusion, Mac, RetrievalCompletion
 from macattn.methods.mac.completion_on_miss import MissCompletionConfig
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from _tiny import MAC, tiny_model
-from macattn.methods.a3.reference import A3Config, FusionMethod
+from macattn.methods.a3.config import A3Config, FusionMethod
 from macattn.runtime import ModelRunner
 from macattn.runtime.a3_assembly import RagPrompt, fuse_prefix, fused_generate
 from macattn.runtime.chunk_store import ChunkKVStore, model_fingerprint

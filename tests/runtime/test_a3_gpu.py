@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from _tiny import tiny_model
-from macattn.methods.a3.reference import A3Config
+from macattn.methods.a3.config import A3Config
 from macattn.runtime import ModelRunner
 from macattn.runtime.a3_assembly import RagPrompt, fused_generate
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from macattn.methods.mka.reference import MkaConfig
+from macattn.methods.mka.config import MkaConfig
 from macattn.models.mka import patch_mka
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.engine import LLMEngine
@@ -39,7 +39,7 @@ def test_session_summary_is_per_request_and_reset_on_reuse():
     batched = _generate(eng, ps)
     solo = [_generate(_engine(0.9, 2), [p])[0] for p in ps]
     assert batched == solo
-    state = eng.executor.mka_state
+    state = eng.executor.mka.state
     for m, c in zip(state.mean, state.count):   # released slots are empty again
         assert torch.count_nonzero(m) == 0 and torch.count_nonzero(c) == 0
     assert batched != _generate(_engine(0.0, 2), ps), "gate 0.9 should change the outputs"

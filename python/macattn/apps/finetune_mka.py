@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from macattn.methods.mka.reference import MkaConfig
+from macattn.methods.mka.config import MkaConfig
 from macattn.models.mka import mka_parameters, patch_mka
 
 __all__ = ["FinetuneConfig", "stdlib_corpus", "split_corpus", "finetune", "register"]

@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from macattn.methods.mac.config import MacConfig
-from macattn.apps.generate import greedy_decode
+from macattn.models.generation import greedy_decode
 
 __all__ = ["TuneSettings", "calibration_prompts", "measure", "tune", "register"]
 

@@ -36,10 +36,10 @@ import torch
 from tqdm.auto import tqdm
 
 from macattn.methods.mac.config import MacConfig
-from macattn.apps.generate import greedy_decode
+from macattn.models.generation import greedy_decode
 from macattn.methods.mac.completion_on_miss import MissCompletionConfig
 from macattn.evaluation import tasks as T
-from macattn.methods.a3.reference import A3Config
+from macattn.methods.a3.config import A3Config
 from macattn.evaluation.methods import A3Fusion, EvalMethod, Mac, RetrievalCompletion
 
 __all__ = ["EvalSettings", "PRESETS", "make_samples", "run_eval", "band_sweep", "plot", "load_eval_model",

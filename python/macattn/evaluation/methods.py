@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from macattn.methods.a3.reference import A3Config, FusionMethod
+from macattn.methods.a3.config import A3Config, FusionMethod
 from macattn.methods.completion.reference import build_completion_cache_batched, hybrid_decode_step, partition, token_equivalents
 from macattn.methods.mac.config import MacConfig
 from macattn.core.attention import check_no_padding, full_attention_reference
@@ -143,7 +143,7 @@ class EvalMethod:
 
     def run(self, model, prompt: torch.Tensor, steps: int, forced: list | None = None) -> list:
         """Greedy tokens (``steps`` of them) after ``prompt [1, L]``, teacher-forced on ``forced``."""
-        from macattn.apps.generate import greedy_decode
+        from macattn.models.generation import greedy_decode
 
         with self.attach(model):
             return greedy_decode(model, prompt, steps, forced=forced, desc=self.name)[0]

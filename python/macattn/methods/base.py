@@ -35,6 +35,7 @@ class Capabilities:
     needs_pre_rope_query: the model integration captures ``q_proj``'s output (``q~``) per layer.
     miss_policies: the values of ``miss_policy`` the engine honours (MAC only).
     prefill_only: the method changes how a request's prompt KV is built, not the decode.
+    composes: the method runs around another method's attention (FastMKA's fused K/V inputs).
     """
 
     paged_kv: bool = True
@@ -44,6 +45,7 @@ class Capabilities:
     needs_pre_rope_query: bool = False
     miss_policies: tuple[str, ...] = ()
     prefill_only: bool = False
+    composes: bool = False
 
 
 @dataclass(frozen=True)

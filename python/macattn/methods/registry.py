@@ -1,21 +1,31 @@
 """The method registry: one line per method (name -> its ``AttentionMethod`` class)."""
 from __future__ import annotations
 
+from macattn.methods.a3.backend import A3Prefill
 from macattn.methods.base import AttentionMethod
+from macattn.methods.completion.backend import CompletionAttention
 from macattn.methods.full.backend import FullAttention
 from macattn.methods.mac.backend import MacAttention
+from macattn.methods.mka.backend import FastMka
 
-__all__ = ["METHODS", "method_class"]
+__all__ = ["METHODS", "ATTENTION_METHODS", "method_class"]
 
 METHODS: dict[str, type[AttentionMethod]] = {
     FullAttention.name: FullAttention,
     MacAttention.name: MacAttention,
+    CompletionAttention.name: CompletionAttention,
+    FastMka.name: FastMka,
+    A3Prefill.name: A3Prefill,
 }
 
 
+ATTENTION_METHODS = tuple(n for n, c in METHODS.items()
+                          if not (c.capabilities.prefill_only or c.capabilities.composes))
+
+
 def method_class(name: str) -> type[AttentionMethod]:
-    """The class registered as ``name``; ``ValueError`` naming the registered ones otherwise."""
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise ValueError(f"method must be one of {sorted(METHODS)}, got {name!r}") from None
+    """The attention method registered as ``name`` (one that computes a layer's attention itself;
+    ``a3`` and ``mka`` compose with one); ``ValueError`` naming the accepted ones otherwise."""
+    if name not in ATTENTION_METHODS:
+        raise ValueError(f"method must be one of {list(ATTENTION_METHODS)}, got {name!r}")
+    return METHODS[name]

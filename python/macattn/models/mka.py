@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from macattn.methods.mka.reference import MkaConfig, MkaFusion
+from macattn.methods.mka.config import MkaConfig
+from macattn.methods.mka.reference import MkaFusion
 from macattn.models.architectures import SUPPORTED_ARCHITECTURES, check_supported
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "MkaContext", "patch_mka", "unpatch_mka", "mka_parameters"]

@@ -6,10 +6,8 @@ import math
 import pytest
 import torch
 
-from macattn.methods.completion.reference import (CompletionConfig, ExhaustiveTopK, PageSummaryTopK, budget_top_k,
-                                build_completion_cache, build_completion_cache_batched, full_attention_step,
-                                hybrid_decode_step, partition, retrieval_completion_step, selection_only_step,
-                                sink_tail_step, subtract_retrieved, token_equivalents)
+from macattn.methods.completion.config import CompletionConfig
+from macattn.methods.completion.reference import (ExhaustiveTopK, PageSummaryTopK, budget_top_k, build_completion_cache, build_completion_cache_batched, full_attention_step, hybrid_decode_step, partition, retrieval_completion_step, selection_only_step, sink_tail_step, subtract_retrieved, token_equivalents)
 
 
 def _full(q, k, v, seq_lens, scale=None):

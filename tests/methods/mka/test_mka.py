@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from macattn.methods.mka.reference import (MkaConfig, MkaFusion, causal_summary_reference, hashed_chunk_recall_reference,
-                         route_fused_decode_reference, router_reference)
+from macattn.methods.mka.config import MkaConfig
+from macattn.methods.mka.reference import (MkaFusion, causal_summary_reference, hashed_chunk_recall_reference, route_fused_decode_reference, router_reference)
 from macattn.models.mka import mka_parameters, patch_mka, unpatch_mka
 from macattn.models.builtin import FAMILIES, build_builtin_model
 from macattn.methods.mka import ops as ops_mka  # noqa: F401

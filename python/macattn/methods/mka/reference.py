@@ -20,55 +20,14 @@ of the ``count`` tokens seen so far. All reference math runs in fp32 (or fp64 if
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
+
+from macattn.methods.mka.config import MkaConfig
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MkaConfig", "SUMMARY_MODES", "causal_summary_reference", "router_reference",
-           "hashed_chunk_recall_reference", "mka_fuse_reference", "route_fused_decode_reference",
-           "MkaRouter", "MkaFusion"]
-
-SUMMARY_MODES = ("mean", "ema")
-
-
-@dataclass(frozen=True)
-class MkaConfig:
-    """FastMKA settings, the same for every layer.
-
-    summary: ``"mean"`` (causal prefix mean) or ``"ema"``; ema_beta in ``(0, 1)`` for ``"ema"``.
-    router_hidden: hidden width of the routing MLP (>= 1).
-    l3: enable hashed chunk recall (full-sequence forward only; decode with a cache refuses it).
-    l3_chunk: chunk length in tokens (>= 1); l3_bits: sign-hash bits (1..30).
-    seed: seed of the router's initial weights and of the L3 hash hyperplanes.
-    """
-
-    summary: str = "mean"
-    ema_beta: float = 0.9
-    router_hidden: int = 64
-    l3: bool = False
-    l3_chunk: int = 32
-    l3_bits: int = 4
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.summary not in SUMMARY_MODES:
-            raise ValueError(f"summary must be one of {SUMMARY_MODES}, got {self.summary!r}")
-        if not 0.0 < float(self.ema_beta) < 1.0:
-            raise ValueError(f"ema_beta must be in (0, 1), got {self.ema_beta}")
-        if int(self.router_hidden) < 1:
-            raise ValueError(f"router_hidden must be >= 1, got {self.router_hidden}")
-        if int(self.l3_chunk) < 1:
-            raise ValueError(f"l3_chunk must be >= 1, got {self.l3_chunk}")
-        if not 1 <= int(self.l3_bits) <= 30:
-            raise ValueError(f"l3_bits must be in [1, 30], got {self.l3_bits}")
-
-    @property
-    def mode(self) -> int:
-        """The summary mode as the op's integer attribute: 0 mean, 1 EMA."""
-        return SUMMARY_MODES.index(self.summary)
-
+__all__ = ["causal_summary_reference", "router_reference", "hashed_chunk_recall_reference", "mka_fuse_reference", "route_fused_decode_reference", "MkaRouter", "MkaFusion"]
 
 def _check_mode(mode: int, beta: float) -> None:
     if mode not in (0, 1):

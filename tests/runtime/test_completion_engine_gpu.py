@@ -1,4 +1,4 @@
-"""Retrieval-completion runtime mode on the GPU: prefill cache and decode steps through the Triton
+"""Retrieval-completion engine method on the GPU: prefill cache and decode steps through the Triton
 kernels (``macattn::completion_cache`` / ``macattn::retrieval_completion``), with in-flight
 batching over reused slots, against the fp64 CPU reference decoder fed the same tokens."""
 from __future__ import annotations
@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from macattn.methods.completion.reference import CompletionConfig
-from macattn.apps.distill_completion import maps_for_model
-from macattn.runtime.completion_mode import CompletionDecoder
+from macattn.methods.completion.config import CompletionConfig
 
+from _completion import CompletionEngine
 from _tiny import prompts, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -20,11 +19,7 @@ CFG = CompletionConfig(n_sink=4, n_tail=8, top_k=3, feature_dim=16, hidden=32)
 
 def _decoder(device, dtype, use_op):
     model = tiny_model("llama", seed=2).to(device=device, dtype=dtype)
-    maps = maps_for_model(model, feature_dim=CFG.feature_dim, hidden=CFG.hidden, seed=3)
-    with torch.no_grad():
-        for m in list(maps.phi_q) + list(maps.phi_k):
-            m.alpha.fill_(0.5)
-    return CompletionDecoder(model, maps, CFG, num_slots=2, max_seq_len=128, use_op=use_op)
+    return CompletionEngine(model, CFG, slots=2, use_op=use_op, device=device)
 
 
 def test_gpu_kernels_follow_the_cpu_reference_through_reused_slots():
@@ -34,18 +29,19 @@ def test_gpu_kernels_follow_the_cpu_reference_through_reused_slots():
     for pair in (ps[:2], ps[2:]):          # two waves through the same two slots
         got = [gpu.admit(p) for p in pair]
         want = [cpu.admit(p) for p in pair]
-        slots_g, slots_c = [s for s, _ in got], [s for s, _ in want]
+        seqs_g, seqs_c = [s for s, _ in got], [s for s, _ in want]
         tokens = [int(lg.argmax()) for _, lg in want]
         for (_, lg), (_, lw) in zip(got, want):
             torch.testing.assert_close(lg.double().cpu(), lw, rtol=1e-4, atol=1e-4)
         for _ in range(6):
-            lg = gpu.decode(slots_g, tokens)
-            lw = cpu.decode(slots_c, tokens)
+            lg = gpu.decode(seqs_g, tokens)
+            lw = cpu.decode(seqs_c, tokens)
             torch.testing.assert_close(lg.double().cpu(), lw, rtol=1e-4, atol=1e-4)
             tokens = lw.argmax(-1).tolist()
-        for s in slots_g:
+        for s in seqs_g:
             gpu.release(s)
-        for s in slots_c:
+        for s in seqs_c:
             cpu.release(s)
     assert all(gpu.state.is_empty(s) for s in range(2))
-    assert any(e["mid"] > e["retrieved"] for e in gpu.step_log)     # the completion term was exercised
+    assert gpu.method.use_op                                            # the Triton kernels ran
+    assert any(e["mid"] > e["retrieved"] for e in gpu.method.step_log)  # the completion term was exercised     # the completion term was exercised

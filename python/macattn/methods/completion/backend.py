@@ -1,0 +1,181 @@
+"""Retrieval-completion (SPEC §3) as an ``AttentionMethod``: the request's K/V live in its
+``CompletionState`` rows (``capabilities.paged_kv`` is False: the engine runs the model without
+a KV cache and this method is the cache).
+
+* prefill (one request, ``N`` tokens): exact causal attention; the request's post-RoPE K/V and
+  ``log φ_k`` of its keys go to its rows and the stable completion cache of its mid region is
+  built (``macattn::completion_cache``; ``build_completion_cache`` with ``use_op=False``);
+* decode (requests of different lengths, one token each at ``StepContext.positions``): the
+  token's K/V are appended to the rows and attention is ``macattn::retrieval_completion`` (on
+  CUDA the Triton kernels once ``register_kernels()`` ran, on the CPU the fp64 reference; with
+  ``selector="pages"`` the reference with ``PageSummaryTopK``).
+
+``budget_report`` gives the KV reads per decode step and KV head in token-equivalents
+(``macattn.methods.completion.reference.token_equivalents``) over the logged steps.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from macattn.methods.base import AttentionMethod, Capabilities, ModelDims
+from macattn.methods.completion import ops  # noqa: F401  (defines the torch ops)
+from macattn.methods.completion.feature_maps import CompletionFeatureMaps
+from macattn.methods.completion.config import CompletionConfig
+from macattn.methods.completion.reference import (build_completion_cache, make_selector, hybrid_decode_step, partition, retrieval_completion_step, token_equivalents)
+from macattn.methods.completion.state import CompletionState
+
+__all__ = ["CompletionAttention"]
+
+
+class CompletionAttention(AttentionMethod):
+    """maps: the distilled ``CompletionFeatureMaps`` of the model; max_seq_len: prompt + generated
+    tokens per request at most (the rows' length); use_op: None/True = the torch ops, False = the
+    fp64 reference functions called directly. State lives on the model's device."""
+
+    name: ClassVar[str] = "completion"
+    config_type: ClassVar[type] = CompletionConfig
+    capabilities: ClassVar[Capabilities] = Capabilities(paged_kv=False, onnx_export=True, tensorrt_plugin=True)
+
+    def __init__(self, config: CompletionConfig, dims: ModelDims, *, num_slots: int,
+                 maps: CompletionFeatureMaps, max_seq_len: int, use_op: bool | None = None) -> None:
+        super().__init__(config, dims, num_slots=num_slots)
+        if not isinstance(maps, CompletionFeatureMaps):
+            raise TypeError(f"maps must be a CompletionFeatureMaps, got {type(maps).__name__}")
+        spec = maps.spec
+        if (spec.num_layers, spec.num_q_heads, spec.num_kv_heads, spec.head_dim) != (
+                dims.num_layers, dims.num_q_heads, dims.num_kv_heads, dims.head_dim):
+            raise ValueError(f"maps {spec} do not fit the model ({dims.num_layers} layers, "
+                             f"{dims.num_q_heads}/{dims.num_kv_heads} heads, head_dim {dims.head_dim})")
+        self.maps = maps.eval().to(dims.device)
+        self.state = CompletionState.allocate(num_layers=dims.num_layers, num_slots=num_slots,
+                                              num_kv_heads=dims.num_kv_heads, max_seq_len=max_seq_len,
+                                              head_dim=dims.head_dim, feature_dim=spec.feature_dim, dtype=dims.dtype,
+                                              device=dims.device)
+        self.use_op = use_op is not False and config.selector == "exact"
+        self.selector = make_selector(config.selector, page_size=config.page_size, overfetch=config.page_overfetch)
+        self.step_log: list[dict] = []   # one entry per (decode step, request)
+        self._request_of_slot = [-1] * num_slots
+        self._next_request = 0
+
+    def slot_states(self):
+        return {"completion": self.state}
+
+    def _slots(self, step) -> torch.Tensor:
+        if step.slots is None:
+            raise RuntimeError("retrieval-completion runs under the engine (StepContext.slots must be set)")
+        return step.slots.to(self.state.seq_len.device)
+
+    # --- attention ---------------------------------------------------------------------------
+    def prefill(self, module, layer, query, key, value, q_pre, attention_mask, scale, step, fallback, **kwargs):
+        st, cfg = self.state, self.config
+        slots = self._slots(step)
+        if slots.numel() != 1 or key.shape[2] != query.shape[2]:
+            raise ValueError("retrieval-completion prefills one fresh request per call")
+        T = query.shape[2]
+        if T >= st.max_seq_len:
+            raise ValueError(f"prompt length must be in [1, {st.max_seq_len - 1}], got {T}")
+        s = int(slots[0])
+        st.k[layer][s, :, :T] = key[0]
+        st.v[layer][s, :, :T] = value[0]
+        with torch.no_grad():
+            lpk = self.maps.log_phi_k(layer, key[0].transpose(0, 1)).transpose(0, 1)  # [Hkv, T, F]
+        st.log_phi_k[layer][s, :, :T] = lpk
+        if self.use_op:
+            a, b, c = torch.ops.macattn.completion_cache(lpk[None], value[:1], torch.tensor([T], device=lpk.device),
+                                                         cfg.n_sink, cfg.n_tail)
+            a, b, c = a[0], b[0], c[0]
+        else:
+            p = partition(T, T, n_sink=cfg.n_sink, n_tail=cfg.n_tail)
+            a, b, c = build_completion_cache(lpk[:, p.mid_start:p.mid_end], value[0, :, p.mid_start:p.mid_end])
+        st.comp_a[layer][s], st.comp_b[layer][s], st.comp_shift[layer][s] = a, b, c
+        st.seq_len[s] = T
+        st.n_prefill[s] = T
+        if layer == 0:
+            self._request_of_slot[s], self._next_request = self._next_request, self._next_request + 1
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
+                                                               enable_gqa=True)
+        return out.transpose(1, 2)
+
+    def decode(self, module, layer, query, key, value, q_pre, attention_mask, scale, step, fallback, **kwargs):
+        st, cfg = self.state, self.config
+        slots = self._slots(step)
+        B = query.shape[0]
+        if step.positions is None or step.positions.shape != (B,):
+            raise ValueError(f"retrieval-completion decode needs StepContext.positions [B]={B}")
+        pos = step.positions.to(slots.device)
+        if bool((pos >= st.max_seq_len).any()):
+            raise ValueError(f"a request is full (max_seq_len={st.max_seq_len})")
+        rows = torch.arange(B, device=query.device)
+        for name, x in (("k", key), ("v", value)):
+            getattr(st, name)[layer][slots, :, pos] = x[rows, :, 0]
+        seq_lens = pos + 1
+        st.seq_len[slots] = seq_lens
+        width = int(seq_lens.max())
+        q = query[:, :, 0]
+        with torch.no_grad():
+            lpq = self.maps.log_phi_q(layer, q)
+        npf = st.n_prefill[slots]
+        out = torch.empty_like(q)
+        ks = [cfg.k_for(partition(int(n), int(n), n_sink=cfg.n_sink, n_tail=cfg.n_tail).mid_len) for n in npf]
+        for k in sorted(set(ks)):   # one call per distinct Top-k (differs per row only with a budget fraction)
+            idx = torch.tensor([i for i, kk in enumerate(ks) if kk == k], dtype=torch.int64, device=query.device)
+            sl = slots[idx]
+            args = (q[idx], st.k[layer][sl, :, :width], st.v[layer][sl, :, :width], seq_lens[idx], npf[idx],
+                    lpq[idx], st.log_phi_k[layer][sl, :, :width], st.comp_a[layer][sl], st.comp_b[layer][sl],
+                    st.comp_shift[layer][sl])
+            if self.use_op:
+                out[idx] = torch.ops.macattn.retrieval_completion(*args, cfg.n_sink, cfg.n_tail, k, scale)
+            elif cfg.selector == "exact":
+                out[idx] = retrieval_completion_step(*args, n_sink=cfg.n_sink, n_tail=cfg.n_tail, top_k=k, scale=scale)
+            else:
+                out[idx] = hybrid_decode_step(*args[:5], n_sink=cfg.n_sink, n_tail=cfg.n_tail, top_k=k, scale=scale,
+                                              selector=self.selector, completion=args[5:])
+        if layer == 0:
+            for i in range(B):
+                p = partition(int(npf[i]), int(seq_lens[i]), n_sink=cfg.n_sink, n_tail=cfg.n_tail)
+                self.step_log.append({"request": self._request_of_slot[int(slots[i])], "n_prefill": p.n_prefill,
+                                      "seq_len": p.seq_len, "mid": p.mid_len, "retrieved": ks[i],
+                                      "exact": p.seq_len - p.mid_len + ks[i]})
+        return out.unsqueeze(1)
+
+    # --- accounting -----------------------------------------------------------------------
+    def budget_report(self, gen_len: int | None = None) -> dict:
+        """KV reads per decode step and KV head, in token-equivalents, over the logged steps.
+
+        ``exact`` counts, per query head, sink + tail + retrieved + generated tokens; under GQA a
+        KV head reads the union of its query heads' retrieved sets, at most ``group·k``
+        (``exact_kv_worst``). The completion cache ``(F·d + 2F)/(2d)`` is charged once per request
+        and amortised over ``gen_len`` steps (default: the steps actually logged per request;
+        ``gen_len=1`` is the worst case); the retrieved tokens' ``log φ_k`` rows add ``F/(2d)`` each.
+        ``full`` is what exact attention would read (``seq_len``).
+        """
+        if not self.step_log:
+            return {"steps": 0}
+        f, d = self.maps.spec.feature_dim, self.dims.head_dim
+        grp = self.dims.num_q_heads // self.maps.spec.num_kv_heads
+        per_req: dict[int, int] = {}
+        for e in self.step_log:
+            per_req[e["request"]] = per_req.get(e["request"], 0) + 1
+        tot = {"exact": 0.0, "exact_kv_worst": 0.0, "total": 0.0, "total_kv_worst": 0.0, "full": 0.0}
+        for e in self.step_log:
+            g = gen_len or per_req[e["request"]]
+            comp = e["mid"] > e["retrieved"]
+            union = min(e["mid"], grp * e["retrieved"])
+            te = token_equivalents(exact_tokens=e["exact"], feature_dim=f, head_dim=d, gen_len=g,
+                                   retrieved=e["retrieved"], completion=comp)
+            tw = token_equivalents(exact_tokens=e["exact"] - e["retrieved"] + union, feature_dim=f, head_dim=d,
+                                   gen_len=g, retrieved=union, completion=comp)
+            tot["exact"] += e["exact"]
+            tot["exact_kv_worst"] += tw["exact"]
+            tot["total"] += te["total"]
+            tot["total_kv_worst"] += tw["total"]
+            tot["full"] += e["seq_len"]
+        n = len(self.step_log)
+        rep = {k: v / n for k, v in tot.items()}
+        rep.update(steps=n, requests=len(per_req), fraction_of_full=tot["total"] / tot["full"],
+                   fraction_of_full_kv_worst=tot["total_kv_worst"] / tot["full"],
+                   cache_once=token_equivalents(exact_tokens=0, feature_dim=f, head_dim=d)["cache_once"],
+                   op="torch.ops.macattn.retrieval_completion" if self.use_op else "reference")
+        return rep

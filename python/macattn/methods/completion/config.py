@@ -1,0 +1,61 @@
+"""Retrieval-completion's settings (SPEC §3), shared by all layers."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from macattn.core.validation import check_int
+
+__all__ = ["METHODS", "SELECTORS", "CompletionConfig"]
+
+METHODS = ("full", "sink_tail", "selection", "completion")
+
+
+SELECTORS = ("exact", "pages")
+
+
+@dataclass(frozen=True)
+class CompletionConfig:
+    """Retrieval-completion settings shared by all layers.
+
+    n_sink / n_tail: exact prefix / suffix of the prefill segment (>= 0).
+    top_k: retrieved mid tokens per query head and step; or ``budget``: a fraction in (0, 1]
+    of the mid region (exactly one of the two is set; ``budget_top_k`` resolves it).
+    feature_dim: ``F``, features of φ_q / φ_k; hidden: inner width of the ReZero block.
+    selector: ``"exact"`` (exhaustive Top-k) or ``"pages"`` (page-summary upper bounds);
+    page_size / page_overfetch: pages of the ``"pages"`` selector (pages kept =
+    ``ceil(top_k / page_size) * page_overfetch``).
+    """
+
+    n_sink: int = 16
+    n_tail: int = 64
+    top_k: int | None = 32
+    budget: float | None = None
+    feature_dim: int = 64
+    hidden: int = 128
+    selector: str = "exact"
+    page_size: int = 16
+    page_overfetch: int = 2
+
+    def __post_init__(self):
+        check_int("n_sink", self.n_sink, 0)
+        check_int("n_tail", self.n_tail, 0)
+        if (self.top_k is None) == (self.budget is None):
+            raise ValueError(f"give exactly one of top_k and budget, got top_k={self.top_k!r}, budget={self.budget!r}")
+        if self.top_k is not None:
+            check_int("top_k", self.top_k, 0)
+        if self.budget is not None and not (isinstance(self.budget, (int, float)) and 0.0 < self.budget <= 1.0):
+            raise ValueError(f"budget must be a fraction in (0, 1], got {self.budget!r}")
+        check_int("feature_dim", self.feature_dim, 1)
+        check_int("hidden", self.hidden, 1)
+        if self.selector not in SELECTORS:
+            raise ValueError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
+        check_int("page_size", self.page_size, 1)
+        check_int("page_overfetch", self.page_overfetch, 1)
+
+    def k_for(self, mid_len: int) -> int:
+        """Retrieved tokens for a mid region of ``mid_len`` tokens (``min(top_k, mid_len)``)."""
+        check_int("mid_len", mid_len, 0)
+        if self.top_k is not None:
+            return min(self.top_k, mid_len)
+        return min(mid_len, max(1, math.ceil(self.budget * mid_len))) if mid_len else 0
