@@ -43,7 +43,8 @@ import torch
 from macattn.models.checkpoint import builtin_checkpoint_available, BUILTIN_CHECKPOINT_DIR
 from macattn.methods.completion.reference import (budget_top_k, build_completion_cache, full_attention_step, hybrid_decode_step,
                                 token_equivalents)
-from macattn.methods.completion.feature_maps import capture_qkv, load_feature_maps
+from macattn.methods.completion.feature_maps import load_feature_maps
+from macattn.models.attention import capture_qkv
 from macattn.apps.distill_completion import DistillConfig, distill, load_model_and_tokens, maps_for_model
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -27,6 +27,7 @@ import sys
 from typing import Sequence
 
 from macattn.methods.mac.config import MacConfig
+from macattn.methods.mac.flags import MAC_FLAGS, add_mac_flags, mac_config_from_args
 
 __all__ = ["PLUGINS", "ARCH_TO_TRTLLM", "split_args", "plugin_fields", "layer_plugin_fields", "patch_targets",
            "install_patch", "build_parser", "main"]
@@ -39,7 +40,7 @@ ARCH_TO_TRTLLM = {
     "MistralForCausalLM": ("tensorrt_llm.models.llama.model", "LLaMAForCausalLM", "LLaMADecoderLayer"),
     "Qwen2ForCausalLM": ("tensorrt_llm.models.qwen.model", "QWenForCausalLM", "QWenDecoderLayer"),
 }
-_OURS = {"--plugin": "plugin", "--tau": "tau", "--window": "window", "--band": "band", "--per-layer": "per_layer"}
+_OURS = ("--plugin", *MAC_FLAGS)
 _INSTALL_HINT = ("macattn-trtllm-build needs the `tensorrt_llm` package (TensorRT-LLM): "
                  "install the `tensorrt-llm` wheel from NVIDIA's package index (see TensorRT-LLM's installation guide)")
 
@@ -52,10 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Every other argument (e.g. --checkpoint_dir, --output_dir, --max_batch_size, "
                "--gpt_attention_plugin) is passed through unchanged to tensorrt_llm.commands.build.main.")
     p.add_argument("--plugin", choices=PLUGINS, required=True, help="which macattn plugin set to insert")
-    p.add_argument("--tau", type=float, default=None, help="MAC threshold tau in [0, 1)")
-    p.add_argument("--window", type=int, default=None, help="ring capacity K >= 1")
-    p.add_argument("--band", type=int, default=None, help="rectification band r >= 0")
-    p.add_argument("--per-layer", default=None, help="MacConfig JSON with per-layer overrides")
+    add_mac_flags(p)
     return p
 
 
@@ -89,13 +87,8 @@ def split_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def mac_config(args: argparse.Namespace) -> MacConfig:
-    """The MacConfig of the parsed flags: ``--per-layer`` JSON, then ``--tau/--window/--band`` on top."""
-    base = MacConfig.load(args.per_layer) if args.per_layer else MacConfig()
-    kw = {k: getattr(args, k) for k in ("tau", "window", "band") if getattr(args, k) is not None}
-    if not kw:
-        return base
-    return MacConfig(**{**{f: getattr(base, f) for f in ("window", "band", "tau", "enabled", "miss_policy")}, **kw},
-                     layer_overrides=base.layer_overrides)
+    """The MacConfig of the parsed flags (``macattn.methods.mac.flags.mac_config_from_args``)."""
+    return mac_config_from_args(args)
 
 
 def plugin_fields(cfg, head_dim: int) -> dict[str, dict[str, float | int]]:

@@ -33,7 +33,7 @@ import torch
 
 from macattn.methods.a3.config import A3Config, FusionMethod
 from macattn.methods.a3.reference import (question_attention_scores, recompute_budget, sink_selection, top_tokens, value_deviation_scores)
-from macattn.models.attention import plain_attention
+from macattn.models.attention import plain_attention, run_capturing
 
 from macattn.runtime.chunk_store import ChunkKVStore, _ids_tensor, precompute_chunk_kv
 
@@ -104,10 +104,6 @@ class FusionResult:
     selected: torch.Tensor
     logits: torch.Tensor | None = None
     stats: dict = field(default_factory=dict)
-
-
-class _Stop(Exception):
-    pass
 
 
 def _rope_fns(model):
@@ -213,25 +209,9 @@ def _select(model, prompt: RagPrompt, config: A3Config, cache: FusedCache, apply
     P, Q = prompt.num_prefix, prompt.question.numel()
     layers = model.model.layers
     if method is FusionMethod.A3:
-        captured = {}
-        attn = layers[0].self_attn
-
-        def grab_q(module, inputs, output):
-            captured["q"] = output
-
-        def stop(module, inputs, output):
-            raise _Stop
-
-        h1 = attn.q_proj.register_forward_hook(grab_q)
-        h2 = layers[0].register_forward_hook(stop)
         qpos = torch.arange(P, P + Q)
-        try:
-            _forward(model, cache, prompt.question, qpos, P + Q)
-        except _Stop:
-            pass
-        finally:
-            h1.remove()
-            h2.remove()
+        captured = run_capturing(lambda: _forward(model, cache, prompt.question, qpos, P + Q),
+                                 {"q": layers[0].self_attn.q_proj}, stop=layers[0])
         d = cache.k[0].shape[-1]
         q = captured["q"].view(1, Q, -1, d).transpose(1, 2)                               # [1, Hq, Q, d]
         cos, sin = model.model.rotary_emb(q, qpos.view(1, -1).to(q.device))
@@ -242,19 +222,9 @@ def _select(model, prompt: RagPrompt, config: A3Config, cache: FusedCache, apply
     if method is FusionMethod.CACHEBLEND:
         if len(layers) < 2:
             return doc[:budget]
-        captured = {}
-
-        def grab_v(module, inputs, output):
-            captured["v"] = output
-            raise _Stop
-
-        h = layers[1].self_attn.v_proj.register_forward_hook(grab_v)
-        try:   # layer 0 of every document token is exact and rewrites identical K/V
-            _forward(model, cache, prompt.tokens()[doc], doc, P)
-        except _Stop:
-            pass
-        finally:
-            h.remove()
+        v_proj = layers[1].self_attn.v_proj   # layer 0 of every document token is exact and rewrites identical K/V
+        captured = run_capturing(lambda: _forward(model, cache, prompt.tokens()[doc], doc, P), {"v": v_proj},
+                                 stop=v_proj)
         d = cache.v[1].shape[-1]
         fresh = captured["v"][0].view(N, -1, d)
         reused = cache.v[1][0, :, doc.to(fresh.device)].transpose(0, 1)

@@ -5,14 +5,14 @@ from dataclasses import dataclass
 
 import torch
 
+from macattn.core.validation import check_int
+
 __all__ = ["RuntimeConfig"]
 
 
 def _positive_int(name: str, value, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
+    if not (value is None and allow_none):
+        check_int(name, value, 1)
 
 
 @dataclass(frozen=True)

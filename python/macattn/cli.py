@@ -4,23 +4,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from macattn.methods.mac.config import CONTEXT_HEAVY_TAU, MacConfig
+from macattn.methods.mac.config import MacConfig
+from macattn.methods.mac.flags import add_mac_flags, mac_config_from_args
 from macattn.apps.generate import TRAINED, run_generate
 
 __all__ = ["main"]
-
-
-def _add_mac_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tau", type=float, default=CONTEXT_HEAVY_TAU, help="match threshold in [0, 1)")
-    p.add_argument("--window", type=int, default=1024, help="ring capacity K (>= 1)")
-    p.add_argument("--band", type=int, default=256, help="rectification band r (>= 0)")
-    p.add_argument("--per-layer", default=None, help="JSON file of a MacConfig with per-layer overrides")
-
-
-def mac_config_from_args(args) -> MacConfig:
-    if args.per_layer:
-        return MacConfig.load(args.per_layer)
-    return MacConfig(window=args.window, band=args.band, tau=args.tau)
 
 
 def _cmd_generate(args) -> int:
@@ -93,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tokens", type=int, default=64, help="tokens to decode")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--json", default=None, help="write the statistics to this JSON file")
-    _add_mac_flags(gen)
+    add_mac_flags(gen)
     gen.set_defaults(func=_cmd_generate)
 
     build = sub.add_parser("build", help="export the patched model to ONNX (+ TensorRT engine where available)")
@@ -106,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--max-batch", type=int, default=8, help="TensorRT profile: largest batch")
     build.add_argument("--max-context", type=int, default=None, help="TensorRT profile: longest context")
     build.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _add_mac_flags(build)
+    add_mac_flags(build)
     build.set_defaults(func=_cmd_build)
 
     tri = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository for an engine dir")

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from macattn.methods.completion.feature_maps import (CompletionFeatureMaps, FeatureMapSpec, capture_qkv, load_feature_maps,
+from macattn.models.attention import capture_qkv
+from macattn.methods.completion.feature_maps import (CompletionFeatureMaps, FeatureMapSpec, load_feature_maps,
                                      save_feature_maps, student_logits)
 from macattn.apps.distill_completion import DistillConfig, LossConfig, distill, distill_loss, maps_for_model
 from macattn.models.builtin import build_builtin_model

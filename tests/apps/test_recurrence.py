@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from macattn.evaluation.recurrence import (RecurrenceSettings, capture_pre_rope_queries, nearest_in_window,
+from macattn.models.attention import capture_pre_rope_queries
+from macattn.evaluation.recurrence import (RecurrenceSettings, nearest_in_window,
                                            query_recurrence)
 
 

@@ -43,7 +43,8 @@ from pathlib import Path
 
 import torch
 
-from macattn.methods.completion.feature_maps import CompletionFeatureMaps, FeatureMapSpec, capture_qkv, save_feature_maps, student_logits
+from macattn.models.attention import capture_qkv
+from macattn.methods.completion.feature_maps import CompletionFeatureMaps, FeatureMapSpec, save_feature_maps, student_logits
 
 __all__ = ["DistillConfig", "LossConfig", "distill_loss", "teacher_student_logits", "distill", "calibrate_mass",
            "log_partition_bias", "load_model_and_tokens",

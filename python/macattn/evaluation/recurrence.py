@@ -25,9 +25,10 @@ from typing import Sequence
 import torch
 
 from macattn.core.threshold import match_threshold
+from macattn.models.attention import capture_pre_rope_queries
 from tqdm.auto import tqdm
 
-__all__ = ["RecurrenceSettings", "nearest_in_window", "query_recurrence", "capture_pre_rope_queries", "plot",
+__all__ = ["RecurrenceSettings", "nearest_in_window", "query_recurrence", "plot",
            "register"]
 
 
@@ -88,26 +89,6 @@ def nearest_in_window(q: torch.Tensor, first: int, windows: Sequence[int], block
             dist[i, :, m0 - first:m1 - first] = best
             pos[i, :, m0 - first:m1 - first] = torch.where(found, arg + c0, torch.full_like(arg, -1))
     return dist, pos
-
-
-@torch.no_grad()
-def capture_pre_rope_queries(model, ids: torch.Tensor) -> list:
-    """One forward of ``ids [1, T]``; returns per layer the pre-RoPE query ``[Hq, T, d]`` (fp32, on the
-    model's device): the ``q_proj`` output, which is what MAC's ring stores (``builder.patch``)."""
-    cfg = model.config
-    hq = cfg.num_attention_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
-    layers = model.model.layers
-    out: list = [None] * len(layers)
-    hooks = [layer.self_attn.q_proj.register_forward_hook(
-        lambda mod, a, o, i=i: out.__setitem__(i, o[0].detach().float().view(-1, hq, d).transpose(0, 1)))
-        for i, layer in enumerate(layers)]
-    try:
-        model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    return out
 
 
 def query_recurrence(model, prompts: Sequence[torch.Tensor], settings: RecurrenceSettings,

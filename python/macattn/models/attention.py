@@ -28,11 +28,11 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from macattn.methods.base import AttentionMethod, ModelDims, StepContext
 from macattn.methods.mac.backend import MacAttention
 from macattn.methods.mac.config import MacConfig
-from macattn.models.architectures import SUPPORTED_ARCHITECTURES, check_supported
+from macattn.models.architectures import check_supported
 
-__all__ = ["IMPL_NAME", "SUPPORTED_ARCHITECTURES", "ModelBinding", "bind", "unbind", "binding_of", "is_patched",
+__all__ = ["IMPL_NAME", "ModelBinding", "bind", "unbind", "binding_of", "is_patched",
            "patch_model", "unpatch_model", "capture_pre_rope_kv", "capture_pre_rope_queries",
-           "capture_attention_inputs", "plain_attention"]
+           "capture_qkv", "run_capturing", "plain_attention"]
 
 IMPL_NAME = "macattn"
 _NO_STEP = StepContext()
@@ -195,41 +195,70 @@ def capture_pre_rope_kv(model):
         yield captured
 
 
-@contextlib.contextmanager
-def capture_pre_rope_queries(model, layers=None):
-    """Within the block, ``{layer: q_proj output [B, T, Hq * d]}`` of the latest forward (the
-    pre-RoPE queries; ``layers`` None = all)."""
+@torch.no_grad()
+def capture_pre_rope_queries(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    """One forward of ``ids [1, T]``; per layer the pre-RoPE query ``[Hq, T, d]`` (fp32, on the
+    model's device): the ``q_proj`` output, which is what MAC's ring stores."""
+    dims = ModelDims.of(model)
     attns = _attention_modules(model)
-    idx = range(len(attns)) if layers is None else layers
-    captured: dict[int, torch.Tensor] = {}
-    with _output_hooks({i: attns[i].q_proj for i in idx}, captured.__setitem__):
-        yield captured
+    out: list = [None] * len(attns)
+
+    def store(i, o):
+        out[i] = o[0].detach().float().view(-1, dims.num_q_heads, dims.head_dim).transpose(0, 1)
+
+    with _output_hooks({i: a.q_proj for i, a in enumerate(attns)}, store):
+        model(input_ids=ids.to(dims.device), use_cache=False)
+    return out
+
+
+class _Stop(Exception):
+    pass
+
+
+def run_capturing(fn, capture: dict, stop) -> dict:
+    """Run ``fn()`` while recording ``{name: output}`` of the modules in ``capture {name: module}``;
+    the forward is cut off right after module ``stop`` ran (what ``fn`` returns is dropped)."""
+    captured: dict = {}
+
+    def halt(module, inputs, output):
+        raise _Stop
+
+    with _output_hooks(capture, captured.__setitem__):
+        handle = stop.register_forward_hook(halt)
+        try:
+            fn()
+        except _Stop:
+            pass
+        finally:
+            handle.remove()
+    return captured
 
 
 _CAPTURE_IMPL = "macattn_capture"
 
 
-@contextlib.contextmanager
-def capture_attention_inputs(model):
-    """Within the block, each forward of ``model`` appends per layer ``(query, key, value)`` —
-    post-RoPE ``[B, Hq, T, d]`` / ``[B, Hkv, T, d]`` as the attention function sees them — to the
-    yielded list (one entry per layer per call, in layer order); attention runs unchanged."""
+@torch.no_grad()
+def capture_qkv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Run ``model`` (frozen, its own causal attention) on ``input_ids [B, T]``; per layer the
+    post-RoPE ``(q [B, Hq, T, d], k [B, Hkv, T, d], v [B, Hkv, T, d])`` as the attention function
+    sees them, in the model's dtype."""
     prev = model.config._attn_implementation or "sdpa"
     base = prev if prev in AttentionInterface._global_mapping else "sdpa"
     fallback = AttentionInterface._global_mapping[base]
-    captured: list = []
+    store: dict[int, tuple] = {}
 
     def capture(module, query, key, value, attention_mask, **kwargs):
-        captured.append((query.detach(), key.detach(), value.detach()))
+        store[module.layer_idx] = (query.detach(), key.detach(), value.detach())
         return fallback(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(_CAPTURE_IMPL, capture)
     AttentionMaskInterface.register(_CAPTURE_IMPL, ALL_MASK_ATTENTION_FUNCTIONS[base])
     model.set_attn_implementation(_CAPTURE_IMPL)
     try:
-        yield captured
+        model(input_ids=input_ids, use_cache=False)
     finally:
         model.set_attn_implementation(prev)
+    return [store[i] for i in range(len(store))]
 
 
 @contextlib.contextmanager

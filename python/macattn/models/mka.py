@@ -29,9 +29,9 @@ import torch
 
 from macattn.methods.mka.config import MkaConfig
 from macattn.methods.mka.reference import MkaFusion
-from macattn.models.architectures import SUPPORTED_ARCHITECTURES, check_supported
+from macattn.models.architectures import check_supported
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "MkaContext", "patch_mka", "unpatch_mka", "mka_parameters"]
+__all__ = ["MkaContext", "patch_mka", "unpatch_mka", "mka_parameters"]
 
 
 

@@ -14,7 +14,7 @@ distillation only has to sharpen it.
 
 ``CompletionFeatureMaps`` holds, per layer, φ_q over the ``Hq`` query heads and φ_k over the
 ``Hkv`` KV heads; ``save_feature_maps`` / ``load_feature_maps`` store it with safetensors plus a
-JSON of its shape. ``capture_qkv`` runs a frozen transformers model and returns post-RoPE
+JSON of its shape. ``macattn.models.attention.capture_qkv`` runs a frozen transformers model and returns post-RoPE
 q/k/v of every layer (the distillation teacher and the evaluation input).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 __all__ = ["FeatureMapSpec", "FeatureMap", "CompletionFeatureMaps", "student_logits", "save_feature_maps",
-           "load_feature_maps", "capture_qkv"]
+           "load_feature_maps"]
 
 
 @dataclass(frozen=True)
@@ -147,32 +147,3 @@ def load_feature_maps(path: str | Path) -> CompletionFeatureMaps:
     maps = CompletionFeatureMaps(FeatureMapSpec(**json.loads((d / "feature_maps.json").read_text())))
     maps.load_state_dict(load_file(str(d / "feature_maps.safetensors")))
     return maps.eval()
-
-
-_CAPTURE_IMPL = "macattn_capture"
-
-
-@torch.no_grad()
-def capture_qkv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Run ``model`` (frozen, full causal attention) on ``input_ids [B, T]``; return per layer the
-    post-RoPE ``(q [B, Hq, T, d], k [B, Hkv, T, d], v [B, Hkv, T, d])`` in the model's dtype."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    prev = model.config._attn_implementation or "sdpa"
-    base = prev if prev in AttentionInterface._global_mapping else "sdpa"
-    fallback = AttentionInterface._global_mapping[base]
-    store: dict[int, tuple] = {}
-
-    def capture(module, query, key, value, attention_mask, **kwargs):
-        store[module.layer_idx] = (query.detach(), key.detach(), value.detach())
-        return fallback(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register(_CAPTURE_IMPL, capture)
-    AttentionMaskInterface.register(_CAPTURE_IMPL, ALL_MASK_ATTENTION_FUNCTIONS[base])
-    model.set_attn_implementation(_CAPTURE_IMPL)
-    try:
-        model(input_ids=input_ids, use_cache=False)
-    finally:
-        model.set_attn_implementation(prev)
-    return [store[i] for i in range(len(store))]
