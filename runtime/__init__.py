@@ -1,24 +1,19 @@
-"""Runtime: decode state, paged KV, in-flight batching engine, TensorRT-LLM-style runner, serving.
+"""Runtime: the in-flight batching engine over every attention method, the TensorRT-LLM-style
+runner, and serving.
 
-Modules (nano-vllm style, one job each): ``state`` (MAC rings), ``slots`` (per-request
-state registry), ``block_manager`` + ``kv_cache`` (paged KV), ``scheduler`` (in-flight
-batching), ``executor`` (runs the patched model), ``engine`` (requests + steps),
-``model_runner`` (``ModelRunner.generate``), ``triton_repo`` (Triton model repository).
-
-Names are imported lazily: ``macattn.models.attention`` imports ``runtime.state`` while the
-executor imports ``builder.patch``.
+Modules (nano-vllm style, one job each): ``slots`` (per-request state registry),
+``block_manager`` + ``kv_cache`` (paged KV), ``scheduler`` (in-flight batching), ``executor``
+(runs the bound model, one ``StepContext`` per call), ``paged_decode`` (per-bucket plans and
+CUDA graphs), ``engine`` (requests + steps), ``model_runner`` (``ModelRunner.generate``),
+``a3_assembly`` + ``chunk_store`` (A3's fused prefill and chunk KV store), ``triton_*`` (Triton
+Inference Server repository, model and server).
 """
-import importlib
+from macattn.runtime.config import RuntimeConfig
+from macattn.runtime.engine import LLMEngine, StepOutput
+from macattn.runtime.engine_dir import read_engine_dir, write_engine_dir
+from macattn.runtime.model_runner import ModelRunner
+from macattn.runtime.sampling import SamplingParams
+from macattn.runtime.slots import SlotStates, TensorSlotState
 
-_EXPORTS = {
-    "RuntimeConfig": "config", "LLMEngine": "engine", "StepOutput": "engine", "ModelRunner": "model_runner",
-    "SamplingParams": "sampling", "SlotStates": "slots", "TensorSlotState": "slots", "MacState": "state",
-    "MacDiagnostics": "state", "read_engine_dir": "engine_dir", "write_engine_dir": "engine_dir",
-}
-__all__ = list(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["RuntimeConfig", "LLMEngine", "StepOutput", "ModelRunner", "SamplingParams", "SlotStates",
+           "TensorSlotState", "read_engine_dir", "write_engine_dir"]

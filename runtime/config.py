@@ -1,11 +1,11 @@
 """Frozen, validated runtime configuration (batch size, paged KV geometry, device hooks)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from macattn.core.validation import check_int
+from macattn.core.validation import check_bool, check_int
 
 __all__ = ["RuntimeConfig"]
 
@@ -29,6 +29,8 @@ class RuntimeConfig:
     use_cuda_graphs: capture decode steps per batch bucket and replay them (CUDA only; on
         the CPU it raises ``NotImplementedError``). On CUDA decode always runs the Triton plan
         over the paged pool (``runtime/paged_decode.py``); this only chooses graph or eager.
+    fused_weights: run the model through ``macattn.models.fused.FusedForward`` (Q/K/V and
+        gate/up fused at load, RMSNorm with the residual add) instead of its transformers forward.
     """
 
     max_batch_size: int = 8
@@ -37,14 +39,15 @@ class RuntimeConfig:
     num_blocks: int | None = None
     device: str = "cpu"
     use_cuda_graphs: bool = False
+    fused_weights: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("max_batch_size", self.max_batch_size)
         _positive_int("max_seq_len", self.max_seq_len, allow_none=True)
         _positive_int("block_size", self.block_size)
         _positive_int("num_blocks", self.num_blocks, allow_none=True)
-        if not isinstance(self.use_cuda_graphs, bool):
-            raise TypeError(f"use_cuda_graphs must be a bool, got {self.use_cuda_graphs!r}")
+        for name in ("use_cuda_graphs", "fused_weights"):
+            check_bool(name, getattr(self, name))
         try:
             dev = torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
@@ -62,5 +65,4 @@ class RuntimeConfig:
             raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
                              f"{model_max_positions}")
         num_blocks = self.num_blocks or self.max_batch_size * -(-max_seq_len // self.block_size)
-        return RuntimeConfig(self.max_batch_size, max_seq_len, self.block_size, num_blocks,
-                             self.device, self.use_cuda_graphs)
+        return replace(self, max_seq_len=max_seq_len, num_blocks=num_blocks)

@@ -21,6 +21,7 @@ from macattn.methods.a3.config import A3Config
 from macattn.methods.base import AttentionMethod, StepContext
 from macattn.methods.mka.backend import FastMka
 from macattn.models.attention import bind
+from macattn.models.fused import FusedForward
 
 from macattn.runtime.block_manager import BlockManager
 from macattn.runtime.config import RuntimeConfig
@@ -46,6 +47,7 @@ class ModelExecutor:
             register_kernels()
         self.method: AttentionMethod = method_factory(config.max_batch_size + gpu)
         self.binding = bind(self.model, self.method)
+        self.fused = FusedForward(self.model) if config.fused_weights else None
         self.num_layers = hf.num_hidden_layers
         self.head_dim = self.method.dims.head_dim
         self.dtype = self.method.dims.dtype
@@ -78,6 +80,14 @@ class ModelExecutor:
         """The padding rows' state row on CUDA (taken from the slot registry by the engine)."""
         self.scratch_slot = slot
 
+    def run_model(self, ids: torch.Tensor, positions: torch.Tensor, mask=None, past_key_values=None) -> torch.Tensor:
+        """Logits ``[B, V]`` of each row's last position for ``ids [B, T]`` at ``positions [B, T]``:
+        the fused forward (``RuntimeConfig.fused_weights``) or the model's own."""
+        if self.fused is not None:
+            return self.fused(ids, positions, mask, past_key_values)
+        return self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=past_key_values,
+                          use_cache=past_key_values is not None, logits_to_keep=1).logits[:, -1]
+
     def step(self, *, slots: torch.Tensor, positions: torch.Tensor | None = None, paged=None):
         """Context manager: the model calls inside it run with these state rows / positions / plans."""
         return self.binding.step(StepContext(slots=slots, positions=positions, paged=paged))
@@ -101,13 +111,11 @@ class ModelExecutor:
         pos = torch.arange(L, device=self.device).unsqueeze(0)
         if not self.paged_kv:
             with self.step(slots=torch.tensor([seq.slot], dtype=torch.int64)):
-                return self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1).logits[0, -1]
+                return self.run_model(ids, pos)[0]
         mask = torch.ones(L, L, dtype=torch.bool, device=self.device).tril().view(1, 1, L, L)
         view = PrefillView(self.kv, self.blocks.rows(seq, 0, L))
         with self.step(slots=torch.tensor([seq.slot], dtype=torch.int64)):
-            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=view,
-                             use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1]
+            return self.run_model(ids, pos, mask, view)[0]
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -122,18 +130,14 @@ class ModelExecutor:
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64)
         if not self.paged_kv:
             with self.step(slots=slots, positions=positions):
-                out = self.model(input_ids=ids, position_ids=positions.view(B, 1), use_cache=False, logits_to_keep=1)
-            return out.logits[:, -1]
+                return self.run_model(ids, positions.view(B, 1))
         lengths = [x + 1 for x in m]
         gather = self.blocks.gather_rows(seqs, lengths)                         # [B, T]
         write = torch.stack([self.blocks.rows(s, x, x + 1)[0] for s, x in zip(seqs, m)])
         T = gather.shape[1]
         mask = (torch.arange(T, device=self.device).view(1, T) <= positions.view(B, 1)).view(B, 1, 1, T)
         with self.step(slots=slots, positions=positions):
-            out = self.model(input_ids=ids, position_ids=positions.view(B, 1), attention_mask=mask,
-                             past_key_values=DecodeView(self.kv, write, gather), use_cache=True,
-                             logits_to_keep=1)
-        return out.logits[:, -1]
+            return self.run_model(ids, positions.view(B, 1), mask, DecodeView(self.kv, write, gather))
 
 
 class _ContinueView:
@@ -206,7 +210,4 @@ class PrefillIO:
         pos = torch.arange(start, L, device=dev)
         mask = (torch.arange(L, device=dev).view(1, L) <= pos.view(Q, 1)).view(1, 1, Q, L)
         with ex.step(slots=torch.tensor([self._seq.slot], dtype=torch.int64)):
-            out = ex.model(input_ids=ids.to(dev).view(1, Q), position_ids=pos.view(1, Q), attention_mask=mask,
-                           past_key_values=_ContinueView(ex.kv, rows[start:], rows), use_cache=True,
-                           logits_to_keep=1)
-        return out.logits[0, -1]
+            return ex.run_model(ids.to(dev).view(1, Q), pos.view(1, Q), mask, _ContinueView(ex.kv, rows[start:], rows))[0]

@@ -134,9 +134,7 @@ class PagedDecoder:
     def _forward(self, b: DecodeBucket) -> torch.Tensor:
         ex = self.ex
         with ex.step(slots=b.slots, positions=b.positions, paged=b):
-            out = ex.model(input_ids=b.ids, position_ids=b.positions.view(b.nb, 1), attention_mask=b.mask,
-                           past_key_values=PagedWriteView(ex.kv, b.write_rows), use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1]
+            return ex.run_model(b.ids, b.positions.view(b.nb, 1), b.mask, PagedWriteView(ex.kv, b.write_rows))
 
     # --- one step --------------------------------------------------------------------------
     @torch.inference_mode()

@@ -1,12 +1,14 @@
 """macattn: fast long-context decode attention with fidelity.
 
-Reference math lives in this package root (``summaries``, ``mac``, ``config``); GPU
-kernels and TensorRT plugin definitions in ``macattn.plugins``; model patching, graph
-export and engine building in ``macattn.builder``; state, generation and serving in
-``macattn.runtime``.
+One package in layers that import only downwards (``docs/architecture.md``): ``core``
+(validation, the match rule, attention summaries) < ``plugins`` (Triton kernels, launchers,
+TensorRT plugin definitions) < ``methods`` (the ``AttentionMethod`` interface, the registry and
+one folder per method) < ``models`` (the transformers integration) < ``runtime`` | ``builder``
+(engine and serving | graph export and engine builds) < ``evaluation`` < ``apps`` < ``cli``.
 """
-from macattn.methods.mac.config import LayerMacParams, MacConfig
+
 from macattn.core.summaries import AttentionSummary, merge_summaries, remove_summary, summarize
+from macattn.methods.mac.config import LayerMacParams, MacConfig
 
 __version__ = "0.1.0"
 __all__ = ["AttentionSummary", "LayerMacParams", "MacConfig", "merge_summaries", "remove_summary",

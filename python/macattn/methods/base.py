@@ -84,15 +84,12 @@ class StepContext:
     paged: the runtime's per-bucket decode plans (``DecodeBucket``): key/value reaching the
     attention are then the paged pool ``[num_blocks, block_size, Hkv, d]``.
     rings: per-layer MAC ring tensors passed explicitly (graph export) instead of the state's.
-    prefill_start: the first position of a prefill call (0 = a fresh prompt; > 0 = a prompt
-    continued in chunks, e.g. an A3 question after its fused prefix).
     """
 
     slots: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     paged: Any = None
     rings: Any = None
-    prefill_start: int = 0
 
 
 @runtime_checkable

@@ -30,7 +30,7 @@ from macattn.methods.mac.backend import MacAttention
 from macattn.methods.mac.config import MacConfig
 from macattn.models.architectures import check_supported
 
-__all__ = ["IMPL_NAME", "ModelBinding", "bind", "unbind", "binding_of", "is_patched",
+__all__ = ["IMPL_NAME", "ModelBinding", "attention_forward", "bind", "unbind", "binding_of", "is_patched",
            "patch_model", "unpatch_model", "capture_pre_rope_kv", "capture_pre_rope_queries",
            "capture_qkv", "run_capturing", "plain_attention"]
 
@@ -69,7 +69,7 @@ class ModelBinding:
         return AttentionInterface._global_mapping[self.fallback_impl]
 
 
-def _attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention interface: query ``[B, Hq, T, d]``, key/value ``[B, Hkv, S, d]``
     (cache included); returns ``([B, T, Hq, d], None)``."""
     b: ModelBinding = module._macattn
@@ -116,7 +116,7 @@ def bind(model, method: AttentionMethod) -> ModelBinding:
     if fallback not in AttentionInterface._global_mapping:
         fallback = "sdpa"
     b = ModelBinding(model, method, fallback)
-    AttentionInterface.register(IMPL_NAME, _attention_forward)
+    AttentionInterface.register(IMPL_NAME, attention_forward)
     AttentionMaskInterface.register(IMPL_NAME, ALL_MASK_ATTENTION_FUNCTIONS.get(fallback, sdpa_mask))
     for attn in _attention_modules(model):
         attn._macattn = b

@@ -1,1 +1,1 @@
-"""macattn.methods.completion."""
+"""Top-k retrieval with linear-attention completion (SPEC §3, ``docs/completion.md``)."""

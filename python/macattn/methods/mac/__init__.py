@@ -1,1 +1,2 @@
-"""macattn.methods.mac."""
+"""MAC: match the pre-RoPE query against a ring of recent ones, reuse the matched step's
+rectified attention summary, recompute band + tail, merge (SPEC §1, ``docs/graph.md``)."""

@@ -13,7 +13,7 @@ import torch
 from macattn.core.attention import check_no_padding, full_attention_reference
 from macattn.methods.base import AttentionMethod, Capabilities, ModelDims, StepContext
 from macattn.methods.mac import ops  # noqa: F401  (defines torch.ops.macattn.mac_match / mac_attend)
-from macattn.methods.mac.config import MacConfig
+from macattn.methods.mac.config import ENGINE_MISS_POLICIES, MacConfig
 from macattn.methods.mac.reference import rectified_summaries_reference
 from macattn.methods.mac.seeding import seed_rings_
 from macattn.methods.mac.state import MacState
@@ -37,7 +37,7 @@ class MacAttention(AttentionMethod):
     config_type: ClassVar[type] = MacConfig
     capabilities: ClassVar[Capabilities] = Capabilities(
         paged_kv=True, cuda_graphs=True, onnx_export=True, tensorrt_plugin=True, needs_pre_rope_query=True,
-        miss_policies=("full",))
+        miss_policies=ENGINE_MISS_POLICIES)
 
     def __init__(self, config: MacConfig, dims: ModelDims, *, num_slots: int,
                  query_dtype: torch.dtype | None = None) -> None:

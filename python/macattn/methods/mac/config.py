@@ -14,11 +14,13 @@ from typing import Any, Mapping
 from macattn.core.threshold import match_threshold
 from macattn.core.validation import check_bool, check_choice, check_int, check_tau
 
-__all__ = ["LayerMacParams", "MacConfig", "CONTEXT_HEAVY_TAU", "GENERATION_HEAVY_TAU", "MISS_POLICIES"]
+__all__ = ["LayerMacParams", "MacConfig", "CONTEXT_HEAVY_TAU", "GENERATION_HEAVY_TAU", "MISS_POLICIES",
+           "ENGINE_MISS_POLICIES"]
 
 CONTEXT_HEAVY_TAU = 0.45
 GENERATION_HEAVY_TAU = 0.75
 MISS_POLICIES = ("full", "completion")
+ENGINE_MISS_POLICIES = ("full",)   # what the engine and the graph export run (the CPU reference: all)
 
 
 @dataclass(frozen=True)
@@ -117,13 +119,14 @@ class MacConfig(LayerMacParams):
         return LayerMacParams(**fields)
 
     def require_full_misses(self, where: str) -> None:
-        """Raise ``ValueError`` if any layer asks for ``miss_policy="completion"``: ``where`` (the
-        runtime, the ONNX export) runs full-attention misses only."""
+        """Raise ``ValueError`` if any layer asks for a miss policy outside ``ENGINE_MISS_POLICIES``:
+        ``where`` (the engine, the ONNX export) runs full-attention misses only."""
         layers = sorted({0, *(i for i, _ in self.layer_overrides)})
-        bad = [i for i in layers if self.for_layer(i).miss_policy != "full"]
-        if self.miss_policy != "full" or bad:
+        bad = [i for i in layers if self.for_layer(i).miss_policy not in ENGINE_MISS_POLICIES]
+        if self.miss_policy not in ENGINE_MISS_POLICIES or bad:
             raise ValueError(f"miss_policy='completion' is honoured by the CPU reference, macattn eval and macattn "
-                             f"tune only; {where} supports miss_policy='full' (layers asking otherwise: {bad or 'all'})")
+                             f"tune only; {where} supports miss_policy in {ENGINE_MISS_POLICIES} "
+                             f"(layers asking otherwise: {bad or 'all'})")
 
     def with_overrides(self, overrides: Mapping[int, Mapping[str, Any]]) -> "MacConfig":
         merged = {idx: dict(f) for idx, f in self.layer_overrides}

@@ -1,0 +1,86 @@
+"""``FusedForward`` (Q/K/V and gate/up fused at load, RMSNorm with the residual add) computes what
+the transformers forward computes: the engine's logits with ``RuntimeConfig(fused_weights=True)``
+equal the unfused engine's (fp32, ≤ 1e-5) for LLaMA, Qwen2 (Q/K/V biases) and Mistral, MAC on and
+off, prefill and in-flight decode."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from macattn.methods.mac.config import MacConfig
+from macattn.models.attention import patch_model
+from macattn.models.builtin import FAMILIES, build_builtin_model
+from macattn.models.fused import FusedForward, add_rms_norm, rms_norm
+from macattn.runtime.config import RuntimeConfig
+from macattn.runtime.engine import LLMEngine
+
+SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=128)
+
+
+def _prompts(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (int(torch.randint(12, 30, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+
+def _logit_trace(family, mac, fused, ps):
+    model = build_builtin_model(family, seed=3, **SMALL).float()
+    eng = LLMEngine(model, mac, RuntimeConfig(max_batch_size=2, max_seq_len=64, fused_weights=fused))
+    seqs, trace = [], []
+    for p in ps:
+        seq = eng.make_request(p, max_new_tokens=5)
+        eng.submit(seq)
+        seqs.append(seq)
+    while eng.has_unfinished():                 # the engine's own schedule; record every logit row
+        batch = eng.scheduler.decode_batch()
+        if batch:
+            logits = eng.executor.decode(batch)
+            for s, row in zip(batch, logits):
+                trace.append(row)
+                eng._append(s, row)
+        for s in eng.scheduler.admit():
+            row = eng.executor.prefill(s)
+            trace.append(row)
+            eng._append(s, row)
+    return torch.stack(trace), [s.output for s in seqs]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mac", [None, MacConfig(window=8, band=2, tau=0.1)], ids=["mac-off", "mac-on"])
+def test_fused_engine_equals_unfused(family, mac):
+    ps = _prompts(3, seed=7)                    # 3 requests through 2 slots
+    want, want_tokens = _logit_trace(family, mac, False, ps)
+    got, got_tokens = _logit_trace(family, mac, True, ps)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got_tokens == want_tokens
+
+
+def test_fused_weights_are_the_concatenated_projections():
+    model = build_builtin_model("qwen2", seed=0, **SMALL).float()
+    patch_model(model, MacConfig())
+    fused = FusedForward(model)
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    layer = fused.layers[1]
+    assert torch.equal(layer.qkv_weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert torch.equal(layer.qkv_bias, torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
+    assert torch.equal(layer.gate_up_weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    assert fused.extra_bytes == sum(p.numel() * 4 for p in (layer.qkv_weight, layer.qkv_bias, layer.gate_up_weight)) * 2
+
+
+def test_add_rms_norm_matches_the_model_norm():
+    model = build_builtin_model("llama", seed=0, **SMALL)
+    norm = model.model.layers[0].input_layernorm
+    x, r = torch.randn(3, 5, 64), torch.randn(3, 5, 64)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        h, s = add_rms_norm(x, r, norm.weight, norm.variance_epsilon)
+        torch.testing.assert_close(s, x + r, rtol=0, atol=0)
+        torch.testing.assert_close(h, norm(x + r), rtol=0, atol=0)
+        torch.testing.assert_close(rms_norm(x, norm.weight, norm.variance_epsilon), norm(x), rtol=0, atol=0)
+
+
+def test_fused_forward_needs_a_bound_model():
+    model = build_builtin_model("llama", seed=0, **SMALL)
+    with pytest.raises(ValueError, match="bound model"):
+        FusedForward(model)(torch.zeros(1, 3, dtype=torch.int64), torch.arange(3)[None])
