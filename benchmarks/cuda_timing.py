@@ -6,7 +6,7 @@ import statistics
 
 import torch
 
-__all__ = ["replay_us", "time_graph"]
+__all__ = ["replay_us", "graph_replay_us", "time_graph"]
 
 
 def replay_us(fns, reps: int, warmup: int = 3, eager: int = 1) -> list[float]:
@@ -27,6 +27,13 @@ def replay_us(fns, reps: int, warmup: int = 3, eager: int = 1) -> list[float]:
     with torch.cuda.graph(graph):
         for fn in fns:
             fn()
+    us = graph_replay_us(graph, reps, warmup)
+    del graph
+    return us
+
+
+def graph_replay_us(graph: torch.cuda.CUDAGraph, reps: int, warmup: int = 3) -> list[float]:
+    """µs per replay of an already captured ``graph`` (``warmup`` untimed replays first; CUDA events)."""
     for _ in range(warmup):
         graph.replay()
     torch.cuda.synchronize()
@@ -37,7 +44,6 @@ def replay_us(fns, reps: int, warmup: int = 3, eager: int = 1) -> list[float]:
         graph.replay()
         ends[i].record()
     torch.cuda.synchronize()
-    del graph
     return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
 
 
