@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 
 import macattn.methods.completion.ops  # noqa: F401
-import macattn.plugins  # noqa: F401  (registers the Triton kernels as the ops' CUDA impls)
+from macattn.methods.kernels import register_kernels
+
+register_kernels()   # the Triton kernels as the ops' CUDA impls
 from macattn.methods.completion.reference import retrieval_completion_step
 from macattn.plugins.retrieval_completion import op as rc_op
 from macattn.plugins.retrieval_completion.op import mid_topk_triton

@@ -13,7 +13,7 @@ Attention paths (one registered transformers attention function, switched per ru
 
 * ``mac``: MAC step (match, complete, rectify-append). ``macattn.plugins.MacDecodePlan``
   when importable on CUDA (plan once per bucket, capture-safe), else ``torch.ops.macattn``
-  (the CUDA impls registered by ``macattn.plugins``, or the CPU reference in --dry-run).
+  (the CUDA impls registered by ``macattn.methods.kernels.register_kernels``, or the CPU reference in --dry-run).
   Two ring states: ``hit`` (each layer's ring seeded so every head matches at reuse gap
   ``--gap``: the best case, reads ``band + gap`` KV tokens) and ``miss`` (empty rings: full
   attention plus MAC's match/append overhead).
@@ -60,9 +60,9 @@ B_ = SimpleNamespace(path=None, m=0, positions=None, slots=None, state=None, pla
 # --- optional GPU pieces (import-guarded) -----------------------------------------------------
 def _try_import_plugins():
     try:
-        import macattn.plugins as plugins
+        from macattn.methods.kernels import register_kernels
         from macattn.plugins.decode_plan import MacDecodePlan
-        return plugins, MacDecodePlan, None
+        return register_kernels(), MacDecodePlan, None
     except Exception as exc:                         # noqa: BLE001 - reported in the JSON
         return None, None, f"{type(exc).__name__}: {exc}"
 
@@ -343,7 +343,7 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU",
         "torch": torch.__version__, "steps": args.steps, "warmup": args.warmup,
         "cuda_graphs": device.type == "cuda" and not args.no_cuda_graphs,
-        "plugins": (list(getattr(plugins, "REGISTERED", ())) if plugins else None), "plugins_error": plugins_err,
+        "plugins": list(plugins) if plugins is not None else None, "plugins_error": plugins_err,
         "flashinfer": getattr(fi_mod, "__version__", None) if fi_mod else None, "flashinfer_error": fi_err,
         "kv_bytes_per_token_per_layer": 2 * shapes["num_key_value_heads"] * shapes["head_dim"] * 2,
         "results": results,

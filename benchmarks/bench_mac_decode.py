@@ -447,7 +447,9 @@ def main(argv=None):
     args.plan_kw = json.loads(args.plan_kw)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    import macattn.plugins  # noqa: F401  (registers the kernels)
+    from macattn.methods.kernels import register_kernels
+
+    register_kernels()
     if args.points:
         points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
     elif args.quick:

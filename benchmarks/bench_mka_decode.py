@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import macattn.plugins  # noqa: F401  (registers the Triton kernel as the op's CUDA impl)
+from macattn.methods.kernels import register_kernels
+
+register_kernels()   # the Triton kernel as the op's CUDA impl
 from macattn.methods.mka.reference import route_fused_decode_reference, router_reference
 from macattn.methods.mka import ops as ops_mka  # noqa: F401
 

@@ -20,9 +20,12 @@ import math
 
 import torch
 
+from macattn.core.threshold import match_threshold
+from macattn.core.validation import check_int, check_tau
+
 from ._triton_util import check_cuda_or_interp, default_pdl, interpreting, next_pow2, num_sms, resident_per_sm
 from .mac_attend.kernel import AttendMeta, attend_meta, launch_attend, launch_merge, launch_plan
-from .mac_match.kernel import MatchMeta, check_match_inputs, launch_match, match_meta, match_threshold
+from .mac_match.kernel import MatchMeta, check_match_inputs, launch_match, match_meta
 
 __all__ = ["MacDecodePlan", "PLAN_BLOCK_LIMIT", "check_kv"]
 
@@ -30,13 +33,6 @@ __all__ = ["MacDecodePlan", "PLAN_BLOCK_LIMIT", "check_kv"]
 # the attention kernel's item lookup holds one vector of all KV groups
 PLAN_BLOCK_LIMIT = 4096
 MAX_GROUPS = 4096
-
-
-def _check_int(name: str, value, lo: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {lo}, got {type(value).__name__} {value!r}")
-    if value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value}")
 
 
 def check_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_table: torch.Tensor | None,
@@ -81,7 +77,8 @@ class MacDecodePlan:
 
     batch_size ``B``, max_context (largest ``m + 1`` a run may see; sizes the full path's
     static split), num_q_heads ``Hq``, num_kv_heads ``Hkv``, head_dim ``d`` (power of two),
-    window ``K`` (ring capacity), band ``r``, tau; page_size None = contiguous KV
+    window ``K`` (ring capacity), band ``r``, tau (None: an attend-only plan — ``run_attend`` /
+    ``run_full``; the match stages raise); page_size None = contiguous KV
     ``[B, Hkv, T, d]``, else paged NHD with that page size (16/32/64 tested).
     programs_per_sm: attention work items per SM the device-side plan aims at.
     pdl: programmatic dependent launch between the step's kernels (default: on for sm90+).
@@ -95,7 +92,7 @@ class MacDecodePlan:
     """
 
     def __init__(self, *, batch_size: int, max_context: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                 window: int, band: int, tau: float, page_size: int | None = None,
+                 window: int, band: int, tau: float | None = None, page_size: int | None = None,
                  q_dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cuda",
                  scale: float | None = None, programs_per_sm: int = 4, match_programs_per_sm: int = 8,
                  block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
@@ -106,21 +103,21 @@ class MacDecodePlan:
                               ("num_q_heads", num_q_heads, 1), ("num_kv_heads", num_kv_heads, 1),
                               ("head_dim", head_dim, 16), ("window", window, 1), ("band", band, 0),
                               ("programs_per_sm", programs_per_sm, 1), ("match_programs_per_sm", match_programs_per_sm, 1)):
-            _check_int(name, val, lo)
+            check_int(name, val, lo)
         if head_dim & (head_dim - 1):
             raise ValueError(f"head_dim must be a power of two, got {head_dim}")
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         if page_size is not None:
-            _check_int("page_size", page_size, 1)
-        if not (isinstance(tau, (int, float)) and 0.0 <= tau < 1.0):
-            raise ValueError(f"tau must be a float in [0, 1), got {tau!r}")
+            check_int("page_size", page_size, 1)
+        if tau is not None:
+            check_tau("tau", tau)
         self.device = torch.device(device)
         self.B, self.Hq, self.Hkv, self.d = batch_size, num_q_heads, num_kv_heads, head_dim
-        self.K, self.band, self.tau = window, band, float(tau)
+        self.K, self.band, self.tau = window, band, None if tau is None else float(tau)
         self.max_context, self.page_size = max_context, page_size
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-        self.thr = match_threshold(head_dim, tau)
+        self.thr = None if tau is None else match_threshold(head_dim, tau)   # None: an attend-only plan
         sms = num_sms(self.device)
         hpg = num_q_heads // num_kv_heads
         ng = batch_size * num_kv_heads
@@ -187,19 +184,26 @@ class MacDecodePlan:
         check_kv(q, k, v, page_table, self.page_size, self.Hkv)
 
     # -- stages (public so benchmarks can time them separately) -------------------------------
+    def _need_tau(self) -> None:
+        if self.thr is None:
+            raise ValueError("this plan was made without tau (attend-only): the match stages need MacDecodePlan(tau=...)")
+
     def run_match(self, q_pre, qring, ring_pos, ring_lse, slots, positions) -> None:
         """Stage 1: match partials (per ring split: nearest candidate, its pos and cached lse)."""
+        self._need_tau()
         launch_match(q_pre, qring, ring_pos, ring_lse, slots, positions, meta=self.match, part_d2=self.part_d2,
                      part_pos=self.part_pos, part_lse=self.part_mlse, finish=False, pdl=self.pdl)
 
     def run_plan(self, positions, match_pos=None) -> None:
         """Stage 2 (one program): reduce the match partials into ``match_pos``/``dist`` (or take the given
         ``match_pos``) and plan the part-A work split."""
+        if match_pos is None:
+            self._need_tau()
         launch_plan(self.attend, positions=positions, match_pos=self.match_pos if match_pos is None else match_pos,
                     grp_start=self.grp_start, grp_lo=self.grp_lo, grp_na=self.grp_na, grp_chunk=self.grp_chunk,
                     band=self.band, num_kv_heads=self.Hkv,
                     partials=(self.part_d2, self.part_pos, self.part_mlse) if match_pos is None else None,
-                    dist=self.dist, thr=self.thr, ns=self.match.NS, pdl=self.pdl, early=self.early_b)
+                    dist=self.dist, **({} if match_pos is not None else {"thr": self.thr}), ns=self.match.NS, pdl=self.pdl, early=self.early_b)
 
     def _attend_kwargs(self, full, q, k, v, positions, page_table, match_pos):
         return dict(full=full, q=q, k=k, v=v, page_table=page_table, page_size=self.page_size or 1,

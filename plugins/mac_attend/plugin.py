@@ -127,6 +127,7 @@ def attend_aot_image(shapes: Sequence[Sequence[Any]], dtypes: Sequence[torch.dty
 
 def register_tensorrt(trtp, to_torch_dtype, to_trt_dtype) -> None:
     """Register ``mac::attend`` with ``tensorrt.plugin`` (``trtp``): descriptor, JIT impl, AOT impl."""
+    from .op import MacAttendLauncher
     from ..tensorrt_plugins import image_to_tensorrt
 
     TensorDesc = trtp.TensorDesc
@@ -142,18 +143,17 @@ def register_tensorrt(trtp, to_torch_dtype, to_trt_dtype) -> None:
         return tuple(ins[s.alias_of].aliased() if s.alias_of is not None
                      else trtp.from_shape_expr(tuple(s.shape), dtype=to_trt_dtype(s.dtype)) for s in specs)
 
+    launch = MacAttendLauncher()
+
     @trtp.impl(PLUGIN_ID)
     def _attend_impl(q: trtp.Tensor, q_pre: trtp.Tensor, k: trtp.Tensor, v: trtp.Tensor, positions: trtp.Tensor,
                      match_pos: trtp.Tensor, slots: trtp.Tensor, qring: trtp.Tensor, oring: trtp.Tensor,
                      ring_lse: trtp.Tensor, ring_pos: trtp.Tensor, band: int, scale: float,
                      outputs: Tuple[trtp.Tensor], stream: int) -> None:
-        import macattn.methods.mac.ops  # noqa: F401
-
         t = [torch.as_tensor(x, device="cuda")
              for x in (q, q_pre, k, v, positions, match_pos, slots, qring, oring, ring_lse, ring_pos)]
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            out = torch.ops.macattn.mac_attend(*t, band, scale)     # rings: aliased, written in place
-            torch.as_tensor(outputs[0], device="cuda").copy_(out)
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):   # rings: aliased, written in place
+            launch(*t, band, scale, out=torch.as_tensor(outputs[0], device="cuda"))
 
     @trtp.aot_impl(PLUGIN_ID)
     def _attend_aot(q: TensorDesc, q_pre: TensorDesc, k: TensorDesc, v: TensorDesc, positions: TensorDesc,

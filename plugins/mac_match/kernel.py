@@ -18,7 +18,6 @@ Distances: bf16 reads, differences and squares in fp32 (the reference's diff for
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
@@ -27,7 +26,7 @@ import triton.language as tl
 from .._triton_util import check_cuda_or_interp, next_pow2
 from .reduce import reduce_all_heads
 
-__all__ = ["MatchMeta", "match_meta", "launch_match", "check_match_inputs", "match_threshold"]
+__all__ = ["MatchMeta", "match_meta", "launch_match", "check_match_inputs"]
 
 
 @triton.jit
@@ -176,6 +175,3 @@ def launch_match(q_pre: torch.Tensor, qring: torch.Tensor, ring_pos: torch.Tenso
     )
 
 
-def match_threshold(head_dim: int, tau: float) -> float:
-    """``sqrt(2 d) (1 - tau)``, as ``mac_match_reference``."""
-    return math.sqrt(2.0 * head_dim) * (1.0 - tau)

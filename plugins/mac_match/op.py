@@ -1,44 +1,52 @@
-"""CUDA implementation of ``macattn::mac_match`` (registered by ``macattn.plugins.registration``)."""
+"""CUDA implementation of ``macattn::mac_match`` (registered by
+``macattn.methods.mac.ops.register_cuda_kernels``)."""
 from __future__ import annotations
 
 import torch
 
+from macattn.core.threshold import match_threshold
+
 from .._triton_util import default_pdl, num_sms
-from .kernel import check_match_inputs, launch_match, match_meta, match_threshold
+from .kernel import check_match_inputs, launch_match, match_meta
 
-__all__ = ["mac_match_triton"]
-
-_SCRATCH: dict[tuple, tuple[torch.Tensor, ...]] = {}
+__all__ = ["MacMatchLauncher"]
 
 
-def _scratch(dev: torch.device, n: int) -> tuple[torch.Tensor, ...]:
-    """Partials ``[n]`` (d2, pos, lse) and the ticket counter (left zero by every launch), cached per device/size."""
-    key = (dev, n)
-    if key not in _SCRATCH:
-        _SCRATCH[key] = (torch.empty(n, dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.int64, device=dev),
-                         torch.empty(n, dtype=torch.float32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev))
-    return _SCRATCH[key]
+class MacMatchLauncher:
+    """Callable with the op's contract; owns the launch scratch (partials ``[n]`` d2 / pos / lse and
+    the ticket counter, left zero by every launch), one set per (device, size)."""
 
+    def __init__(self) -> None:
+        self._scratch: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
-def mac_match_triton(q_pre: torch.Tensor, qring: torch.Tensor, ring_lse: torch.Tensor, ring_pos: torch.Tensor,
-                     slots: torch.Tensor, positions: torch.Tensor, band: int, tau: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``macattn.methods.mac.reference.mac_match_reference``: ``(match_pos [B, Hq] int64, dist [B, Hq] fp32)``.
+    def _buffers(self, dev: torch.device, n: int) -> tuple[torch.Tensor, ...]:
+        key = (dev, n)
+        if key not in self._scratch:
+            self._scratch[key] = (torch.empty(n, dtype=torch.float32, device=dev),
+                                  torch.empty(n, dtype=torch.int64, device=dev),
+                                  torch.empty(n, dtype=torch.float32, device=dev),
+                                  torch.zeros(1, dtype=torch.int32, device=dev))
+        return self._scratch[key]
 
-    One launch (partials over ring splits; the last program reduces them); no host sync, so it
-    can be captured in a CUDA graph. Values of ``slots``/``positions`` are not range-checked.
-    """
-    check_match_inputs(q_pre, qring, ring_lse, ring_pos, slots, positions)
-    B, Hq, d = q_pre.shape
-    K = qring.shape[2]
-    meta = match_meta(B, Hq, K, d, num_sms(q_pre.device))
-    dev = q_pre.device
-    match_pos = torch.empty(B, Hq, dtype=torch.int64, device=dev)
-    dist = torch.empty(B, Hq, dtype=torch.float32, device=dev)
-    if B == 0:
+    def __call__(self, q_pre: torch.Tensor, qring: torch.Tensor, ring_lse: torch.Tensor, ring_pos: torch.Tensor,
+                 slots: torch.Tensor, positions: torch.Tensor, band: int, tau: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same contract as ``macattn.methods.mac.reference.mac_match_reference``:
+        ``(match_pos [B, Hq] int64, dist [B, Hq] fp32)``.
+
+        One launch (partials over ring splits; the last program reduces them); no host sync, so it
+        can be captured in a CUDA graph. Values of ``slots``/``positions`` are not range-checked.
+        """
+        check_match_inputs(q_pre, qring, ring_lse, ring_pos, slots, positions)
+        B, Hq, d = q_pre.shape
+        meta = match_meta(B, Hq, qring.shape[2], d, num_sms(q_pre.device))
+        dev = q_pre.device
+        match_pos = torch.empty(B, Hq, dtype=torch.int64, device=dev)
+        dist = torch.empty(B, Hq, dtype=torch.float32, device=dev)
+        if B == 0:
+            return match_pos, dist
+        part_d2, part_pos, part_lse, counter = self._buffers(dev, B * Hq * meta.NS)
+        launch_match(q_pre, qring, ring_pos, ring_lse, slots, positions, meta=meta, part_d2=part_d2,
+                     part_pos=part_pos, part_lse=part_lse, counter=counter, match_pos=match_pos, dist=dist,
+                     band=band, thr=match_threshold(d, tau), finish=True, pdl=default_pdl(dev))
         return match_pos, dist
-    part_d2, part_pos, part_lse, counter = _scratch(dev, B * Hq * meta.NS)
-    launch_match(q_pre, qring, ring_pos, ring_lse, slots, positions, meta=meta, part_d2=part_d2, part_pos=part_pos,
-                 part_lse=part_lse, counter=counter, match_pos=match_pos, dist=dist, band=band, thr=match_threshold(d, tau),
-                 finish=True, pdl=default_pdl(dev))
-    return match_pos, dist

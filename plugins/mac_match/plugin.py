@@ -9,11 +9,12 @@ skin that hands them to ``tensorrt.plugin`` (needs ``tensorrt>=10.8``).
 No ``from __future__ import annotations`` here: ``tensorrt.plugin`` reads the registered
 functions' annotations as classes.
 """
-import math
 import numbers
 from typing import Any, Sequence, Tuple
 
 import torch
+
+from macattn.core.threshold import match_threshold
 
 from ..aot import AotImage, KernelSpec, compile_image, same_dim, static_dim, triton_ptr_type
 
@@ -78,7 +79,7 @@ def match_kernel_spec(shapes: Sequence[Sequence[Any]], dtypes: Sequence[torch.dt
     K = static_dim(shapes[1][2], "K (qring dim 2)")
     if d < 16 or d & (d - 1):
         raise ValueError(f"head dim d must be a power of two >= 16, got {d}")
-    thr = math.sqrt(2.0 * d) * (1.0 - float(torch.tensor(tau, dtype=torch.float32)))
+    thr = match_threshold(d, float(torch.tensor(tau, dtype=torch.float32)))
     signature = {"q_pre_ptr": triton_ptr_type(dtypes[0], "q_pre"), "qring_ptr": triton_ptr_type(dtypes[1], "qring"),
                  "ring_lse_ptr": "*fp32", "ring_pos_ptr": "*i64", "slots_ptr": "*i64", "positions_ptr": "*i64",
                  "B": "i32", "match_pos_ptr": "*i64", "dist_ptr": "*fp32"}
@@ -96,6 +97,8 @@ def match_aot_image(shapes: Sequence[Sequence[Any]], dtypes: Sequence[torch.dtyp
 
 def register_tensorrt(trtp, to_torch_dtype, to_trt_dtype) -> None:
     """Register ``mac::match`` with ``tensorrt.plugin`` (``trtp``): descriptor, JIT impl, AOT impl."""
+    from .op import MacMatchLauncher
+
     TensorDesc = trtp.TensorDesc
 
     @trtp.register(PLUGIN_ID)
@@ -107,15 +110,15 @@ def register_tensorrt(trtp, to_torch_dtype, to_trt_dtype) -> None:
                                    band=band, tau=tau)
         return tuple(trtp.from_shape_expr(tuple(shape), dtype=to_trt_dtype(dt)) for shape, dt in specs)
 
+    launch = MacMatchLauncher()
+
     @trtp.impl(PLUGIN_ID)
     def _match_impl(q_pre: trtp.Tensor, qring: trtp.Tensor, ring_lse: trtp.Tensor, ring_pos: trtp.Tensor,
                     slots: trtp.Tensor, positions: trtp.Tensor, band: int, tau: float,
                     outputs: Tuple[trtp.Tensor], stream: int) -> None:
-        import macattn.methods.mac.ops  # noqa: F401
-
         t = [torch.as_tensor(x, device="cuda") for x in (q_pre, qring, ring_lse, ring_pos, slots, positions)]
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            match_pos, dist = torch.ops.macattn.mac_match(*t, band, tau)
+            match_pos, dist = launch(*t, band, tau)
             torch.as_tensor(outputs[0], device="cuda").copy_(match_pos)
             torch.as_tensor(outputs[1], device="cuda").copy_(dist)
 

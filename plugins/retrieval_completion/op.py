@@ -1,5 +1,5 @@
 """CUDA implementations of ``macattn::completion_cache`` and ``macattn::retrieval_completion``
-(registered by ``macattn.plugins.registration``); contracts in ``macattn.methods.completion.ops``.
+(registered by ``macattn.methods.completion.ops.register_cuda_kernels``); contract in ``checks.py``.
 
 A decode step is four launches and no host sync (CUDA-graph capturable): ``_mid_logits``,
 ``torch.topk`` over them (``k = min(top_k, T)``, one row per query head), ``_decode_partial``
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from macattn.methods.completion.ops import (check_completion_cache_inputs, check_retrieval_completion_inputs,
-                                    resolve_scale)
+from macattn.plugins.retrieval_completion.checks import (check_completion_cache_inputs,
+                                                        check_retrieval_completion_inputs, resolve_scale)
 
 from .._triton_util import interpreting, num_sms
 from .kernel import _completion_cache, _decode_merge, _decode_partial, _mid_logits

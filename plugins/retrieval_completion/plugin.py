@@ -98,6 +98,8 @@ def completion_cache_output_specs(shapes: Sequence[Sequence[Any]], dtypes: Seque
 
 def register_tensorrt(trtp, to_torch_dtype, to_trt_dtype) -> None:
     """Register both plugins with ``tensorrt.plugin`` (``trtp``): descriptors and JIT impls."""
+    from .op import completion_cache_triton, retrieval_completion_triton
+
     TensorDesc = trtp.TensorDesc
 
     def _on_stream(stream, fn, outputs):
@@ -122,11 +124,9 @@ def register_tensorrt(trtp, to_torch_dtype, to_trt_dtype) -> None:
                    n_prefill: trtp.Tensor, log_phi_q: trtp.Tensor, log_phi_k: trtp.Tensor, comp_A: trtp.Tensor,
                    comp_b: trtp.Tensor, comp_shift: trtp.Tensor, n_sink: int, n_tail: int, top_k: int, scale: float,
                    outputs: Tuple[trtp.Tensor], stream: int) -> None:
-        import macattn.methods.completion.ops  # noqa: F401
         t = [torch.as_tensor(a, device="cuda") for a in (q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q,
                                                          log_phi_k, comp_A, comp_b, comp_shift)]
-        _on_stream(stream, lambda: (torch.ops.macattn.retrieval_completion(*t, n_sink, n_tail, top_k, scale),),
-                   outputs)
+        _on_stream(stream, lambda: (retrieval_completion_triton(*t, n_sink, n_tail, top_k, scale),), outputs)
 
     @trtp.register(CACHE_ID)
     def _cache_desc(log_phi_k: TensorDesc, v_cache: TensorDesc, n_prefill: TensorDesc, n_sink: int,
@@ -139,6 +139,5 @@ def register_tensorrt(trtp, to_torch_dtype, to_trt_dtype) -> None:
     @trtp.impl(CACHE_ID)
     def _cache_impl(log_phi_k: trtp.Tensor, v_cache: trtp.Tensor, n_prefill: trtp.Tensor, n_sink: int, n_tail: int,
                     outputs: Tuple[trtp.Tensor], stream: int) -> None:
-        import macattn.methods.completion.ops  # noqa: F401
         t = [torch.as_tensor(a, device="cuda") for a in (log_phi_k, v_cache, n_prefill)]
-        _on_stream(stream, lambda: torch.ops.macattn.completion_cache(*t, n_sink, n_tail), outputs)
+        _on_stream(stream, lambda: completion_cache_triton(*t, n_sink, n_tail), outputs)

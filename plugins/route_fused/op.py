@@ -1,10 +1,11 @@
-"""CUDA implementation of ``macattn::route_fused_attention`` (registered by ``macattn.plugins.registration``)."""
+"""CUDA implementation of ``macattn::route_fused_attention`` (registered by
+``macattn.methods.mka.ops.register_cuda_kernels``)."""
 from __future__ import annotations
 
 import torch
 import triton
 
-from macattn.methods.mka.ops import check_route_fused_inputs
+from macattn.plugins.route_fused.checks import check_route_fused_inputs
 
 from .kernel import _project, _route_update_fuse
 

@@ -64,6 +64,8 @@ def route_fused_output_specs(shapes: Sequence[Sequence[Any]], dtypes: Sequence[t
 
 def register_tensorrt(trtp, to_torch_dtype, to_trt_dtype) -> None:
     """Register ``mac::route_fused`` with ``tensorrt.plugin`` (``trtp``): descriptor and JIT impl."""
+    from .op import route_fused_attention_triton
+
     TensorDesc = trtp.TensorDesc
 
     @trtp.register(PLUGIN_ID)
@@ -84,11 +86,10 @@ def register_tensorrt(trtp, to_torch_dtype, to_trt_dtype) -> None:
               gate: trtp.Tensor, state_mean: trtp.Tensor, state_count: trtp.Tensor, slots: trtp.Tensor,
               wk: trtp.Tensor, bk: trtp.Tensor, wv: trtp.Tensor, bv: trtp.Tensor, mode: int, beta: float,
               outputs: Tuple[trtp.Tensor], stream: int) -> None:
-        import macattn.methods.mka.ops  # noqa: F401
         t = [torch.as_tensor(a, device="cuda") for a in (x, q, w1, b1, w2, b2, gate, state_mean, state_count, slots,
                                                          wk, bk, wv, bv)]
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            k, v, lam = torch.ops.macattn.route_fused_attention(*t, mode, beta)   # state updated in place (aliased)
+            k, v, lam = route_fused_attention_triton(*t, mode, beta)   # state updated in place (aliased)
             for i, r in enumerate((k, v, lam)):
                 torch.as_tensor(outputs[i], device="cuda").copy_(r)
 

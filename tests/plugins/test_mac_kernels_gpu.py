@@ -191,15 +191,14 @@ def test_mixed_lengths_batch_and_bf16_oring():
 @pytest.mark.parametrize("hq,hkv,d", GQA[:3])
 def test_ops_registered_cuda_kernels(hq, hkv, d):
     """``torch.ops.macattn.mac_match`` / ``mac_attend`` dispatch to the Triton kernels on CUDA."""
-    import macattn.plugins as plugins
-    assert "macattn::mac_attend" in plugins.REGISTERED
+    from macattn.methods.kernels import register_kernels, registered_kernels
+    assert {"macattn::mac_match", "macattn::mac_attend"} <= set(register_kernels())
     g = _gen()
     B = 3
     pr = Problem(B=B, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=CTX[:B], kinds=_mixed_kinds(B, hq, hkv, g),
                  gen=g, **SMALL).to(DEVICE)
     if INTERPRET:   # the ops dispatch on device type; call the registered implementations directly
-        from macattn.plugins.mac_attend.op import mac_attend_triton as attend
-        from macattn.plugins.mac_match.op import mac_match_triton as match
+        match, attend = (registered_kernels()[f"macattn::{n}"] for n in ("mac_match", "mac_attend"))
     else:
         match, attend = torch.ops.macattn.mac_match, torch.ops.macattn.mac_attend
     mp, dist = match(pr.q_pre, pr.qring, pr.ring_lse, pr.ring_pos, pr.slots, pr.positions, pr.band, pr.tau)

@@ -2,8 +2,9 @@
 
 Each op is one node for ``torch.export`` / ``torch.compile`` and one node in the exported
 ONNX graph (domain ``macattn``, see ``docs/graph.md``). The reference (``macattn.methods.mac.reference``)
-is the implementation on every device that has no faster one registered; importing
-``macattn.plugins`` registers the Triton kernels as the CUDA implementation.
+is the implementation on every device that has no faster one registered;
+``register_cuda_kernels`` (through ``macattn.methods.kernels.register_kernels``) registers the
+Triton launchers as the CUDA implementation.
 
 State tensors are explicit inputs; ``mac_attend`` mutates the rings in place (declared
 in ``mutates_args`` so functionalization sees the writes).
@@ -14,7 +15,7 @@ import torch
 
 from macattn.methods.mac.reference import mac_attend_reference, mac_match_reference, ring_append_reference
 
-__all__ = ["mac_match", "mac_attend"]
+__all__ = ["mac_match", "mac_attend", "register_cuda_kernels"]
 
 
 @torch.library.custom_op("macattn::mac_match", mutates_args=())
@@ -47,3 +48,14 @@ def mac_attend(q: torch.Tensor, q_pre: torch.Tensor, k: torch.Tensor, v: torch.T
 @mac_attend.register_fake
 def _(q, q_pre, k, v, positions, match_pos, slots, qring, oring, ring_lse, ring_pos, band, scale):
     return torch.empty_like(q)
+
+
+def register_cuda_kernels() -> None:
+    """The Triton launchers as the CUDA kernels of ``mac_match`` / ``mac_attend`` (idempotent;
+    needs triton; called by ``macattn.methods.kernels.register_kernels``)."""
+    from macattn.methods.kernels import register_cuda_kernel
+    from macattn.plugins.mac_attend.op import MacAttendLauncher
+    from macattn.plugins.mac_match.op import MacMatchLauncher
+
+    register_cuda_kernel("macattn::mac_match", MacMatchLauncher)
+    register_cuda_kernel("macattn::mac_attend", MacAttendLauncher)

@@ -4,7 +4,7 @@ Fuses routing (MLP -> softmax -> gate), the L2 session-summary update and the K/
 projection of the fused memory (SPEC §2, L3 off). The caller applies RoPE to ``k``, appends
 ``k``/``v`` to its KV cache and runs ordinary attention. The reference
 (``macattn.methods.mka.reference.route_fused_decode_reference``, fp32) is the implementation on every device
-without a faster one; importing ``macattn.plugins`` registers the Triton kernels for CUDA.
+without a faster one; ``register_cuda_kernels`` registers the Triton kernels for CUDA.
 
 The L2 state (``state_mean [S, D]`` fp32, ``state_count [S]`` int64, one row per request slot)
 is carried by the runtime between steps (``macattn.methods.mka.state.MkaState``) and
@@ -15,48 +15,9 @@ from __future__ import annotations
 import torch
 
 from macattn.methods.mka.reference import route_fused_decode_reference
+from macattn.plugins.route_fused.checks import check_route_fused_inputs
 
-__all__ = ["route_fused_attention", "check_route_fused_inputs"]
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def check_route_fused_inputs(x, q, w1, b1, w2, b2, gate, state_mean, state_count, slots, wk, bk, wv, bv, mode, beta):
-    """Raise ``ValueError``/``TypeError`` naming the input whose shape, dtype or value does not fit."""
-    if x.dim() != 2:
-        raise ValueError(f"x must be [B, D], got shape {tuple(x.shape)}")
-    B, D = x.shape
-    if q.dim() != 2 or q.shape[0] != B:
-        raise ValueError(f"q must be [B={B}, Dq], got shape {tuple(q.shape)}")
-    Dq = q.shape[1]
-    if w1.dim() != 2 or w1.shape[1] != Dq:
-        raise ValueError(f"w1 must be [R, Dq={Dq}], got shape {tuple(w1.shape)}")
-    R = w1.shape[0]
-    for name, t, shape in (("b1", b1, (R,)), ("w2", w2, (3, R)), ("b2", b2, (3,)), ("gate", gate, ()),
-                           ("state_count", state_count, (state_mean.shape[0],)), ("slots", slots, (B,))):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if state_mean.dim() != 2 or state_mean.shape[1] != D:
-        raise ValueError(f"state_mean must be [S, D={D}], got shape {tuple(state_mean.shape)}")
-    for name, w, b in (("wk", wk, bk), ("wv", wv, bv)):
-        if w.dim() != 2 or w.shape[1] != D:
-            raise ValueError(f"{name} must be [N, D={D}], got shape {tuple(w.shape)}")
-        if tuple(b.shape) != (w.shape[0],):
-            raise ValueError(f"b{name[1]} must be [N={w.shape[0]}], got shape {tuple(b.shape)}")
-    for name, t in (("x", x), ("q", q), ("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2), ("gate", gate),
-                    ("wk", wk), ("bk", bk), ("wv", wv), ("bv", bv)):
-        if t.dtype not in _FLOATS:
-            raise TypeError(f"{name} must be float32/float16/bfloat16, got {t.dtype}")
-    if state_mean.dtype != torch.float32:
-        raise TypeError(f"state_mean must be float32, got {state_mean.dtype}")
-    for name, t in (("state_count", state_count), ("slots", slots)):
-        if t.dtype != torch.int64:
-            raise TypeError(f"{name} must be int64, got {t.dtype}")
-    if mode not in (0, 1):
-        raise ValueError(f"mode must be 0 (prefix mean) or 1 (EMA), got {mode}")
-    if mode == 1 and not 0.0 < beta < 1.0:
-        raise ValueError(f"beta must be in (0, 1) for EMA, got {beta}")
-
+__all__ = ["route_fused_attention", "register_cuda_kernels"]
 
 @torch.library.custom_op("macattn::route_fused_attention", mutates_args=("state_mean", "state_count"))
 def route_fused_attention(x: torch.Tensor, q: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
@@ -81,3 +42,11 @@ def _(x, q, w1, b1, w2, b2, gate, state_mean, state_count, slots, wk, bk, wv, bv
     B = x.shape[0]
     return (x.new_empty((B, wk.shape[0])), x.new_empty((B, wv.shape[0])),
             x.new_empty((B, 3), dtype=torch.float32))
+
+
+def register_cuda_kernels() -> None:
+    """The Triton launcher as the CUDA kernel of ``route_fused_attention`` (idempotent; needs triton)."""
+    from macattn.methods.kernels import register_cuda_kernel
+    from macattn.plugins.route_fused.op import route_fused_attention_triton
+
+    register_cuda_kernel("macattn::route_fused_attention", lambda: route_fused_attention_triton)
