@@ -19,11 +19,12 @@ import functools
 import inspect
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-__all__ = ["KernelSpec", "AotImage", "compile_image", "static_dim", "same_dim", "triton_ptr_type", "SM90", "HIDDEN_PARAMS"]
+__all__ = ["KernelSpec", "AotImage", "compile_image", "static_dim", "same_dim", "triton_ptr_type", "SM90", "HIDDEN_PARAMS",
+           "check_input_ranks", "pow2_head_dim"]
 
 SM90 = 90
 HIDDEN_PARAMS = 2
@@ -55,6 +56,24 @@ def same_dim(a: Any, b: Any) -> bool:
         return static_dim(a, "") == static_dim(b, "")
     except ValueError:
         return True
+
+
+def check_input_ranks(op: str, names: Sequence[str], ranks: Sequence[int], shapes: Sequence[Sequence[Any]],
+                      dtypes: Sequence[torch.dtype]) -> None:
+    """``op`` takes ``len(names)`` inputs of ranks ``ranks``: ``ValueError`` naming the first that does not."""
+    if len(shapes) != len(names) or len(dtypes) != len(names):
+        raise ValueError(f"{op} takes {len(names)} inputs {tuple(names)}, got {len(shapes)}")
+    for name, shape, rank in zip(names, shapes, ranks):
+        if len(shape) != rank:
+            raise ValueError(f"{name} must have rank {rank}, got {len(shape)}")
+
+
+def pow2_head_dim(x: Any, what: str) -> int:
+    """The static head dim of an AOT kernel: a power of two >= 16."""
+    d = static_dim(x, what)
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head dim d must be a power of two >= 16, got {d}")
+    return d
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ..aot import AotImage, KernelSpec, compile_image, same_dim, static_dim, triton_ptr_type
+from ..aot import (AotImage, KernelSpec, check_input_ranks, compile_image, pow2_head_dim, same_dim, static_dim,
+                   triton_ptr_type)
 
 __all__ = ["PLUGIN_ID", "INPUTS", "OUTPUTS", "OutputSpec", "attend_output_specs", "attend_kernel_spec", "attend_aot_image",
            "register_tensorrt"]
@@ -47,11 +48,7 @@ def attend_output_specs(shapes: Sequence[Sequence[Any]], dtypes: Sequence[torch.
     each aliasing its input. Raises ``ValueError``/``TypeError`` naming the input that does
     not fit ``docs/graph.md``."""
     _check_attrs(band, scale)
-    if len(shapes) != len(INPUTS) or len(dtypes) != len(INPUTS):
-        raise ValueError(f"mac::attend takes {len(INPUTS)} inputs {INPUTS}, got {len(shapes)}")
-    for name, shape, rank in zip(INPUTS, shapes, _RANKS):
-        if len(shape) != rank:
-            raise ValueError(f"{name} must have rank {rank}, got {len(shape)}")
+    check_input_ranks("mac::attend", INPUTS, _RANKS, shapes, dtypes)
     q, q_pre, k, v, positions, match_pos, slots, qring, oring, ring_lse, ring_pos = shapes
     B, Hq, d = q
     Hkv, T = k[1], k[2]
@@ -99,11 +96,9 @@ def attend_kernel_spec(shapes: Sequence[Sequence[Any]], dtypes: Sequence[torch.d
     attend_output_specs(shapes, dtypes, band=band, scale=scale)
     B, T = shapes[0][0], shapes[2][2]
     Hq = static_dim(shapes[0][1], "Hq (q dim 1)")
-    d = static_dim(shapes[0][2], "d (q dim 2)")
+    d = pow2_head_dim(shapes[0][2], "d (q dim 2)")
     Hkv = static_dim(shapes[2][1], "Hkv (k dim 1)")
     K = static_dim(shapes[7][2], "K (qring dim 2)")
-    if d < 16 or d & (d - 1):
-        raise ValueError(f"head dim d must be a power of two >= 16, got {d}")
     hpg = Hq // Hkv
     ptr = [triton_ptr_type(dt, name) for name, dt in zip(INPUTS, dtypes)]
     names = [f"{n}_ptr" for n in INPUTS]

@@ -16,7 +16,8 @@ import torch
 
 from macattn.core.threshold import match_threshold
 
-from ..aot import AotImage, KernelSpec, compile_image, same_dim, static_dim, triton_ptr_type
+from ..aot import (AotImage, KernelSpec, check_input_ranks, compile_image, pow2_head_dim, same_dim, static_dim,
+                   triton_ptr_type)
 
 __all__ = ["PLUGIN_ID", "INPUTS", "OUTPUTS", "match_output_specs", "match_kernel_spec", "match_aot_image", "register_tensorrt"]
 
@@ -42,11 +43,7 @@ def match_output_specs(shapes: Sequence[Sequence[Any]], dtypes: Sequence[torch.d
     naming the input on a rank, dim or dtype that does not fit ``docs/graph.md``.
     """
     _check_attrs(band, tau)
-    if len(shapes) != len(INPUTS) or len(dtypes) != len(INPUTS):
-        raise ValueError(f"mac::match takes {len(INPUTS)} inputs {INPUTS}, got {len(shapes)}")
-    for name, shape, rank in zip(INPUTS, shapes, _RANKS):
-        if len(shape) != rank:
-            raise ValueError(f"{name} must have rank {rank}, got {len(shape)}")
+    check_input_ranks("mac::match", INPUTS, _RANKS, shapes, dtypes)
     q_pre, qring, ring_lse, ring_pos, slots, positions = shapes
     B, Hq, d = q_pre
     S, K = qring[0], qring[2]
@@ -75,10 +72,8 @@ def match_kernel_spec(shapes: Sequence[Sequence[Any]], dtypes: Sequence[torch.dt
     match_output_specs(shapes, dtypes, band=band, tau=tau)
     B = shapes[0][0]
     Hq = static_dim(shapes[0][1], "Hq (q_pre dim 1)")
-    d = static_dim(shapes[0][2], "d (q_pre dim 2)")
+    d = pow2_head_dim(shapes[0][2], "d (q_pre dim 2)")
     K = static_dim(shapes[1][2], "K (qring dim 2)")
-    if d < 16 or d & (d - 1):
-        raise ValueError(f"head dim d must be a power of two >= 16, got {d}")
     thr = match_threshold(d, float(torch.tensor(tau, dtype=torch.float32)))
     signature = {"q_pre_ptr": triton_ptr_type(dtypes[0], "q_pre"), "qring_ptr": triton_ptr_type(dtypes[1], "qring"),
                  "ring_lse_ptr": "*fp32", "ring_pos_ptr": "*i64", "slots_ptr": "*i64", "positions_ptr": "*i64",

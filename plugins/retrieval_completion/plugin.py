@@ -17,7 +17,7 @@ from typing import Any, Sequence, Tuple
 
 import torch
 
-from ..aot import same_dim
+from ..aot import check_input_ranks, same_dim
 
 __all__ = ["STEP_ID", "CACHE_ID", "STEP_INPUTS", "CACHE_INPUTS", "CACHE_OUTPUTS", "retrieval_completion_output_specs",
            "completion_cache_output_specs", "register_tensorrt"]
@@ -38,12 +38,8 @@ def _check_attrs(**ints) -> None:
             raise ValueError(f"{name} must be an int >= 0, got {val!r}")
 
 
-def _check(names, shapes, dtypes, ranks, wants, dtype_rules) -> None:
-    if len(shapes) != len(names) or len(dtypes) != len(names):
-        raise ValueError(f"takes {len(names)} inputs {names}, got {len(shapes)}")
-    for name, shape, rank in zip(names, shapes, ranks):
-        if len(shape) != rank:
-            raise ValueError(f"{name} must have rank {rank}, got {len(shape)}")
+def _check(names, shapes, dtypes, ranks, wants, dtype_rules, op: str) -> None:
+    check_input_ranks(op, names, ranks, shapes, dtypes)
     for name, got, want in wants:
         if not all(same_dim(a, b) for a, b in zip(got, want)):
             raise ValueError(f"{name} shape {tuple(got)} does not fit {tuple(want)}")
@@ -75,7 +71,7 @@ def retrieval_completion_output_specs(shapes: Sequence[Sequence[Any]], dtypes: S
              ("comp_b", shapes[8], (B, Hkv, F)), ("comp_shift", shapes[9], (B, Hkv, F)))
     rules = {n: (torch.float32,) for n in STEP_INPUTS}
     rules.update(q=_FLOATS, k_cache=_FLOATS, v_cache=_FLOATS, seq_lens=_INTS, n_prefill=_INTS)
-    _check(STEP_INPUTS, shapes, dtypes, (3, 4, 4, 1, 1, 3, 4, 4, 3, 3), wants, rules)
+    _check(STEP_INPUTS, shapes, dtypes, (3, 4, 4, 1, 1, 3, 4, 4, 3, 3), wants, rules, STEP_ID)
     if dtypes[1] != dtypes[2]:
         raise TypeError(f"k_cache and v_cache must have one dtype, got {dtypes[1]} and {dtypes[2]}")
     return [((B, Hq, d), dtypes[0])]
@@ -92,7 +88,7 @@ def completion_cache_output_specs(shapes: Sequence[Sequence[Any]], dtypes: Seque
     d = shapes[1][3]
     _check(CACHE_INPUTS, shapes, dtypes, (4, 4, 1), (("v_cache", shapes[1], (B, H, T, d)),
                                                      ("n_prefill", shapes[2], (B,))),
-           {"log_phi_k": (torch.float32,), "v_cache": _FLOATS, "n_prefill": _INTS})
+           {"log_phi_k": (torch.float32,), "v_cache": _FLOATS, "n_prefill": _INTS}, CACHE_ID)
     return [((B, H, F, d), torch.float32), ((B, H, F), torch.float32), ((B, H, F), torch.float32)]
 
 

@@ -16,7 +16,7 @@ from typing import Any, Sequence, Tuple
 
 import torch
 
-from ..aot import same_dim
+from ..aot import check_input_ranks, same_dim
 
 __all__ = ["PLUGIN_ID", "INPUTS", "OUTPUTS", "route_fused_output_specs", "register_tensorrt"]
 
@@ -40,11 +40,7 @@ def route_fused_output_specs(shapes: Sequence[Sequence[Any]], dtypes: Sequence[t
     ``[(B, Nk) x.dtype, (B, Nv) x.dtype, (B, 3) float32, (S, D) float32, (S,) int64]``.
     Raises ``ValueError``/``TypeError`` naming the input that does not fit."""
     _check_attrs(mode, beta)
-    if len(shapes) != len(INPUTS) or len(dtypes) != len(INPUTS):
-        raise ValueError(f"mac::route_fused takes {len(INPUTS)} inputs {INPUTS}, got {len(shapes)}")
-    for name, shape, rank in zip(INPUTS, shapes, _RANKS):
-        if len(shape) != rank:
-            raise ValueError(f"{name} must have rank {rank}, got {len(shape)}")
+    check_input_ranks("mac::route_fused", INPUTS, _RANKS, shapes, dtypes)
     x, q, w1, b1, w2, b2, gate, sm, sc, slots, wk, bk, wv, bv = shapes
     B, D = x
     Dq, R, S, Nk, Nv = q[1], w1[0], sm[0], wk[0], wv[0]
