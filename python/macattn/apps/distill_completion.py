@@ -35,13 +35,15 @@ tokenizer is used.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from macattn.apps.trainer_common import latest_checkpoint, load_checkpoint, save_checkpoint
+from macattn.core.validation import check_float, check_int
 
 from macattn.models.attention import capture_qkv
 from macattn.methods.completion.feature_maps import CompletionFeatureMaps, FeatureMapSpec, save_feature_maps, student_logits
@@ -66,13 +68,10 @@ class LossConfig:
 
     def __post_init__(self):
         for name in ("temperature", "delta", "top_band"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if not self.far >= self.top_band:
-            raise ValueError(f"far must be >= top_band={self.top_band}, got {self.far!r}")
+            check_float(name, getattr(self, name), 0.0, lo_open=True)
+        check_float("far", self.far, self.top_band)
         for name in ("aux_weight", "w_top", "w_far", "w_logz"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+            check_float(name, getattr(self, name), 0.0)
 
 
 @dataclass(frozen=True)
@@ -93,14 +92,11 @@ class DistillConfig:
     def __post_init__(self):
         for name, lo in (("steps", 1), ("batch", 1), ("n_queries", 1), ("n_sink", 0), ("n_tail", 0),
                          ("save_every", 1), ("calibrate_windows", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+            check_int(name, getattr(self, name), lo)
         if self.seq_len <= self.n_sink + self.n_tail + self.n_queries:
             raise ValueError(f"seq_len must be > n_sink + n_tail + n_queries = "
                              f"{self.n_sink + self.n_tail + self.n_queries}, got {self.seq_len}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        check_float("lr", self.lr, 0.0, lo_open=True)
 
     @property
     def mid(self) -> tuple[int, int]:
@@ -149,36 +145,14 @@ def teacher_student_logits(maps: CompletionFeatureMaps, layer: int, q: torch.Ten
     return z, student_logits(lpq, lpk.repeat_interleave(grp, 1))
 
 
-def _latest_checkpoint(out: Path) -> Path | None:
-    steps = sorted((int(p.name.split("_")[1]), p) for p in out.glob("step_*") if (p / "meta.json").exists())
-    return steps[-1][1] if steps else None
-
-
 def _save(out: Path, step: int, maps: CompletionFeatureMaps, opt: torch.optim.Optimizer, meta: dict) -> Path:
-    from safetensors.torch import save_file
-
-    d = out / f"step_{step:06d}"
-    d.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in maps.state_dict().items()}, str(d / "maps.safetensors"))
-    names = dict((p, n) for n, p in maps.named_parameters())
-    opt_t = {f"{names[p]}::{k}": torch.as_tensor(v).detach().cpu().clone().contiguous()
-             for p, st in opt.state.items() for k, v in st.items()}
-    save_file(opt_t, str(d / "optim.safetensors"))
-    (d / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
-    return d
+    return save_checkpoint(out, step, maps.state_dict(), "maps.safetensors", list(maps.named_parameters()), opt, meta)
 
 
 def _load(d: Path, maps: CompletionFeatureMaps, opt: torch.optim.Optimizer) -> int:
-    from safetensors.torch import load_file
-
-    dev = next(maps.parameters()).device
-    maps.load_state_dict(load_file(str(d / "maps.safetensors")))
-    o = load_file(str(d / "optim.safetensors"), device=str(dev))
-    for n, p in maps.named_parameters():
-        st = {k.split("::", 1)[1]: v for k, v in o.items() if k.split("::", 1)[0] == n}
-        if st:
-            opt.state[p] = st
-    return int(json.loads((d / "meta.json").read_text())["step"])
+    w, step = load_checkpoint(d, "maps.safetensors", list(maps.named_parameters()), opt)
+    maps.load_state_dict(w)
+    return step
 
 
 @torch.no_grad()
@@ -236,7 +210,7 @@ def distill(model, tokens: torch.Tensor, cfg: DistillConfig, maps: CompletionFea
                          f"{hf.num_hidden_layers} x {hf.num_attention_heads}")
     opt = torch.optim.AdamW(maps.parameters(), lr=cfg.lr, weight_decay=0.0)
     step = 0
-    if resume and (ck := _latest_checkpoint(out)) is not None:
+    if resume and (ck := latest_checkpoint(out)) is not None:
         step = _load(ck, maps, opt)
     meta = {"distill": asdict(cfg), "loss": asdict(loss_cfg), "maps": asdict(maps.spec)}
     losses, parts_log = [], []

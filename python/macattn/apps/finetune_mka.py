@@ -26,6 +26,9 @@ from pathlib import Path
 
 import torch
 
+from macattn.apps.trainer_common import latest_checkpoint, load_checkpoint, save_checkpoint
+from macattn.core.validation import check_choice, check_float, check_int
+
 from macattn.methods.mka.config import MkaConfig
 from macattn.models.mka import mka_parameters, patch_mka
 
@@ -54,12 +57,9 @@ class FinetuneConfig:
 
     def __post_init__(self):
         for name, lo in (("steps", 1), ("batch", 1), ("seq_len", 2), ("eval_batches", 1), ("save_every", 1)):
-            if int(getattr(self, name)) < lo:
-                raise ValueError(f"{name} must be >= {lo}, got {getattr(self, name)}")
-        if not float(self.lr) > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.dtype not in ("bf16", "fp32"):
-            raise ValueError(f"dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
+            check_int(name, getattr(self, name), lo)
+        check_float("lr", self.lr, 0.0, lo_open=True)
+        check_choice("dtype", self.dtype, ("bf16", "fp32"))
 
 
 def stdlib_corpus() -> dict[str, str]:
@@ -119,38 +119,16 @@ def heldout_loss(model, batches: list[torch.Tensor]) -> float:
     return tot / n
 
 
-def _latest_checkpoint(out: Path) -> Path | None:
-    steps = sorted((int(p.name.split("_")[1]), p) for p in out.glob("step_*") if (p / "meta.json").exists())
-    return steps[-1][1] if steps else None
-
-
 def _save(out: Path, step: int, params, opt: torch.optim.Optimizer, meta: dict) -> Path:
-    from safetensors.torch import save_file
-
-    d = out / f"step_{step:06d}"
-    d.mkdir(parents=True, exist_ok=True)
-    save_file({n: p.detach().contiguous() for n, p in params}, str(d / "mka.safetensors"))
-    opt_t = {}
-    for i, (_, p) in enumerate(params):
-        for k, v in opt.state.get(p, {}).items():
-            opt_t[f"{i}.{k}"] = torch.as_tensor(v).detach().clone().contiguous()
-    save_file(opt_t, str(d / "optim.safetensors"))
-    (d / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
-    return d
+    return save_checkpoint(out, step, dict(params), "mka.safetensors", params, opt, meta)
 
 
 def _load(d: Path, params, opt: torch.optim.Optimizer) -> int:
-    from safetensors.torch import load_file
-
-    w = load_file(str(d / "mka.safetensors"))
-    o = load_file(str(d / "optim.safetensors"))
+    w, step = load_checkpoint(d, "mka.safetensors", params, opt)
     with torch.no_grad():
-        for i, (n, p) in enumerate(params):
+        for n, p in params:
             p.copy_(w[n])
-            st = {k.split(".", 1)[1]: v for k, v in o.items() if k.split(".", 1)[0] == str(i)}
-            if st:
-                opt.state[p] = st
-    return int(json.loads((d / "meta.json").read_text())["step"])
+    return step
 
 
 def finetune(model, train: torch.Tensor, heldout: torch.Tensor, cfg: FinetuneConfig, mka: MkaConfig,
@@ -174,7 +152,7 @@ def finetune(model, train: torch.Tensor, heldout: torch.Tensor, cfg: FinetuneCon
     loss_step0 = heldout_loss(model, evals)
     opt = torch.optim.AdamW([p for _, p in params], lr=cfg.lr, weight_decay=0.0)
     step = 0
-    if resume and (ck := _latest_checkpoint(out)) is not None:
+    if resume and (ck := latest_checkpoint(out)) is not None:
         step = _load(ck, params, opt)
     meta = {"finetune": asdict(cfg), "mka": asdict(mka)}
     losses = []

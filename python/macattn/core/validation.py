@@ -31,13 +31,19 @@ def check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
     return value
 
 
-def check_float(name: str, value: Any, lo: float, hi: float | None = None, *, hi_open: bool = False) -> float:
-    """``value`` must be a finite real number in ``[lo, hi]`` (``[lo, hi)`` with ``hi_open``). Returns it as float."""
-    accepted = f"float in [{lo}, {hi}{')' if hi_open else ']'}" if hi is not None else f"float >= {lo}"
+def check_float(name: str, value: Any, lo: float, hi: float | None = None, *, lo_open: bool = False,
+                hi_open: bool = False) -> float:
+    """``value`` must be a finite real number in ``[lo, hi]`` (``(`` / ``)`` with ``lo_open`` / ``hi_open``;
+    ``hi`` None: unbounded). Returns it as float."""
+    if hi is None:
+        accepted = f"float {'>' if lo_open else '>='} {lo}"
+    else:
+        accepted = f"float in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ArgumentTypeError(f"{name} must be a {accepted}, got {type(value).__name__} {value!r}")
+    bad_lo = value <= lo if lo_open else value < lo
     bad_hi = hi is not None and (value >= hi if hi_open else value > hi)
-    if not math.isfinite(value) or value < lo or bad_hi:
+    if not math.isfinite(value) or bad_lo or bad_hi:
         raise ValueError(f"{name} must be a {accepted}, got {value}")
     return float(value)
 
