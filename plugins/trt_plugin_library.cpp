@@ -8,6 +8,8 @@
 // getCreators may list IPluginCreatorV3One creators (getPluginCreators is the deprecated variant).
 #include "trt_plugin_common.h"
 
+#include <limits>
+
 #include <cmath>
 #include <cstdio>
 #include <mutex>
@@ -77,6 +79,9 @@ void reportError(nvinfer1::IErrorRecorder* recorder, std::string const& msg) noe
     }
 }
 
+namespace
+{
+
 bool readIntField(nvinfer1::PluginField const& f, int64_t& value) noexcept
 {
     if (f.data == nullptr || f.length != 1)
@@ -103,6 +108,58 @@ bool readFloatField(nvinfer1::PluginField const& f, float& value) noexcept
     case nvinfer1::PluginFieldType::kFLOAT64: value = static_cast<float>(*static_cast<double const*>(f.data)); return true;
     default: return false;
     }
+}
+
+} // namespace
+
+std::string noSpecMessage(char const* plugin, std::string const& wanted)
+{
+    return std::string(kPluginNamespace) + "::" + plugin + ": no compiled kernel for " + wanted
+        + " (bf16); macattn_kernels has: " + specList()
+        + ". Add the configuration to LIBRARY_SPECS in plugins/aot_library.py and rebuild.";
+}
+
+std::string checkBand(char const* plugin, int64_t band)
+{
+    if (band >= 0 && band <= std::numeric_limits<int32_t>::max())
+    {
+        return "";
+    }
+    return std::string(kPluginNamespace) + "::" + plugin + ": band must be an int in [0, 2**31), got "
+        + std::to_string(band);
+}
+
+std::string parseBandAndValue(char const* plugin, nvinfer1::PluginFieldCollection const* fc, char const* valueField,
+    int64_t& band, float& value)
+{
+    std::string const who = std::string(kPluginNamespace) + "::" + plugin;
+    bool haveBand = false, haveValue = false;
+    for (int32_t i = 0; fc != nullptr && i < fc->nbFields; ++i)
+    {
+        nvinfer1::PluginField const& f = fc->fields[i];
+        std::string const name = f.name != nullptr ? f.name : "";
+        if (name == "band")
+        {
+            if (!readIntField(f, band))
+            {
+                return who + ": field band must be one int32 or int64";
+            }
+            haveBand = true;
+        }
+        else if (name == valueField)
+        {
+            if (!readFloatField(f, value))
+            {
+                return who + ": field " + valueField + " must be one float32";
+            }
+            haveValue = true;
+        }
+    }
+    if (!haveBand || !haveValue)
+    {
+        return who + ": fields band and " + valueField + " are required";
+    }
+    return "";
 }
 
 bool sameDim(nvinfer1::IDimensionExpr const* a, nvinfer1::IDimensionExpr const* b) noexcept

@@ -20,7 +20,6 @@ namespace macattn {
 namespace trt {
 namespace {
 
-constexpr char kAttendName[] = "attend";
 constexpr int32_t kNbInputs = 11;
 constexpr int32_t kNbOutputs = 5;
 enum Input : int32_t
@@ -42,26 +41,13 @@ constexpr char const* kInputNames[kNbInputs]
 constexpr int32_t kRanks[kNbInputs] = {3, 3, 4, 4, 1, 2, 1, 4, 4, 3, 2};
 // Output i >= 1 aliases input kAliasOf[i] (the rings, appended in place); out (0) aliases nothing.
 constexpr int32_t kAliasOf[kNbOutputs] = {-1, kQring, kOring, kRingLse, kRingPos};
+
 // Formats TensorRT may pick: what the compiled kernels take (11 inputs, then 5 outputs).
 constexpr DataType kIoTypes[kNbInputs + kNbOutputs] = {DataType::kBF16, DataType::kBF16, DataType::kBF16,
     DataType::kBF16, DataType::kINT64, DataType::kINT64, DataType::kINT64, DataType::kBF16, DataType::kFLOAT,
     DataType::kFLOAT, DataType::kINT64,
     // outputs: out, qring_out, oring_out, ring_lse_out, ring_pos_out
     DataType::kBF16, DataType::kBF16, DataType::kFLOAT, DataType::kFLOAT, DataType::kINT64};
-
-std::string checkAttrs(int64_t band, float scale)
-{
-    std::ostringstream os;
-    if (band < 0 || band > std::numeric_limits<int32_t>::max())
-    {
-        os << "mac::attend: band must be an int in [0, 2**31), got " << band;
-    }
-    else if (!(std::isfinite(scale) && scale > 0.0f))
-    {
-        os << "mac::attend: scale must be a finite float > 0, got " << scale;
-    }
-    return os.str();
-}
 
 KernelSpec const* findSpec(int64_t hq, int64_t hkv, int64_t d, int64_t k, int64_t band, float scale) noexcept
 {
@@ -75,54 +61,42 @@ KernelSpec const* findSpec(int64_t hq, int64_t hkv, int64_t d, int64_t k, int64_
     return nullptr;
 }
 
-std::string noSpecMessage(int64_t hq, int64_t hkv, int64_t d, int64_t k, int64_t band, float scale)
+std::string wanted(int64_t hq, int64_t hkv, int64_t d, int64_t k, int64_t band, float scale)
 {
     std::ostringstream os;
-    os << "mac::attend: no compiled kernel for Hq=" << hq << ", Hkv=" << hkv << ", d=" << d << ", K=" << k
-       << ", band=" << band << ", scale=" << scale << " (bf16); macattn_kernels has: " << specList()
-       << ". Add the configuration to LIBRARY_SPECS in plugins/aot_library.py and rebuild.";
+    os << "Hq=" << hq << ", Hkv=" << hkv << ", d=" << d << ", K=" << k << ", band=" << band << ", scale=" << scale;
     return os.str();
 }
 
-class AttendPlugin : public IPluginV3, public IPluginV3OneCore, public IPluginV3OneBuildV2, public IPluginV3OneRuntime
+class AttendPlugin : public PluginBase<AttendPlugin, IPluginV3OneBuildV2>
 {
 public:
-    AttendPlugin(int64_t band, float scale) noexcept
-        : mBand(band)
-        , mScale(scale)
+    static constexpr PluginTraits kTraits{"attend", "scale", kNbInputs, kNbOutputs, kRanks, kInputNames, kIoTypes};
+
+    using PluginBase::PluginBase;
+
+    static std::string checkValue(float scale)
     {
+        std::ostringstream os;
+        if (!(std::isfinite(scale) && scale > 0.0f))
+        {
+            os << "mac::attend: scale must be a finite float > 0, got " << scale;
+        }
+        return os.str();
     }
 
-    // IPluginV3
-    IPluginCapability* getCapabilityInterface(PluginCapabilityType type) noexcept override
+    // The compiled specialisation for the runtime shapes ``in`` (nullptr and ``err`` set if none).
+    KernelSpec const* lookup(PluginTensorDesc const* in, std::string& err) const
     {
-        switch (type)
+        int64_t const hq = in[kQ].dims.d[1], d = in[kQ].dims.d[2];
+        int64_t const hkv = in[kK].dims.d[1], k = in[kQring].dims.d[2];
+        KernelSpec const* spec = findSpec(hq, hkv, d, k, mBand, mValue);
+        if (spec == nullptr)
         {
-        case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
-        case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuildV2*>(this);
-        case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
+            err = noSpecMessage("attend", wanted(hq, hkv, d, k, mBand, mValue));
         }
-        return nullptr;
+        return spec;
     }
-
-    IPluginV3* clone() noexcept override
-    {
-        try
-        {
-            auto* p = new AttendPlugin(mBand, mScale);
-            p->mRecorder = mRecorder;
-            return p;
-        }
-        catch (...)
-        {
-            return nullptr;
-        }
-    }
-
-    // IPluginV3OneCore
-    AsciiChar const* getPluginName() const noexcept override { return kAttendName; }
-    AsciiChar const* getPluginVersion() const noexcept override { return kPluginVersion; }
-    AsciiChar const* getPluginNamespace() const noexcept override { return kPluginNamespace; }
 
     // IPluginV3OneBuildV2
     int32_t getAliasedInput(int32_t outputIndex) noexcept override
@@ -131,13 +105,10 @@ public:
     }
 
     // IPluginV3OneBuild
-    int32_t getNbOutputs() const noexcept override { return kNbOutputs; }
-
     int32_t getOutputDataTypes(DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes,
         int32_t nbInputs) const noexcept override
     {
-        try
-        {
+        return guarded([&]() -> int32_t {
             if (nbInputs != kNbInputs || nbOutputs != kNbOutputs)
             {
                 return fail("mac::attend takes 11 inputs and gives 5 outputs, got " + std::to_string(nbInputs) + " / "
@@ -178,35 +149,16 @@ public:
                 outputTypes[o] = inputTypes[kAliasOf[o]];
             }
             return 0;
-        }
-        catch (...)
-        {
-            return -1;
-        }
+        });
     }
 
     int32_t getOutputShapes(DimsExprs const* inputs, int32_t nbInputs, DimsExprs const* /* shapeInputs */,
         int32_t nbShapeInputs, DimsExprs* outputs, int32_t nbOutputs, IExprBuilder& /* exprBuilder */) noexcept override
     {
-        try
-        {
-            std::string const attrs = checkAttrs(mBand, mScale);
-            if (!attrs.empty())
+        return guarded([&]() -> int32_t {
+            if (checkShapeInputs(inputs, nbInputs, nbShapeInputs, nbOutputs) != 0)
             {
-                return fail(attrs);
-            }
-            if (nbInputs != kNbInputs || nbOutputs != kNbOutputs || nbShapeInputs != 0)
-            {
-                return fail("mac::attend takes 11 inputs and gives 5 outputs, got " + std::to_string(nbInputs) + " / "
-                    + std::to_string(nbOutputs));
-            }
-            for (int32_t i = 0; i < kNbInputs; ++i)
-            {
-                if (inputs[i].nbDims != kRanks[i])
-                {
-                    return fail(std::string("mac::attend: ") + kInputNames[i] + " must have rank "
-                        + std::to_string(kRanks[i]) + ", got " + std::to_string(inputs[i].nbDims));
-                }
+                return -1;
             }
             // q [B, Hq, d]; k [B, Hkv, T, d]; qring [S, Hq, K, d]
             IDimensionExpr const* B = inputs[kQ].d[0];
@@ -216,25 +168,13 @@ public:
             IDimensionExpr const* T = inputs[kK].d[2];
             IDimensionExpr const* S = inputs[kQring].d[0];
             IDimensionExpr const* K = inputs[kQring].d[2];
-            struct Check
-            {
-                int32_t input;
-                std::vector<IDimensionExpr const*> want;
-            };
-            Check const checks[] = {{kQPre, {B, Hq, d}}, {kK, {B, Hkv, T, d}}, {kV, {B, Hkv, T, d}}, {kPositions, {B}},
+            if (checkDims(inputs, {{kQPre, {B, Hq, d}}, {kK, {B, Hkv, T, d}}, {kV, {B, Hkv, T, d}}, {kPositions, {B}},
                 {kMatchPos, {B, Hq}}, {kSlots, {B}}, {kQring, {S, Hq, K, d}}, {kOring, {S, Hq, K, d}},
-                {kRingLse, {S, Hq, K}}, {kRingPos, {S, K}}};
-            for (Check const& c : checks)
+                              {kRingLse, {S, Hq, K}}, {kRingPos, {S, K}}},
+                    "q [B, Hq, d], k [B, Hkv, T, d], qring [S, Hq, K, d]")
+                != 0)
             {
-                for (size_t j = 0; j < c.want.size(); ++j)
-                {
-                    if (!sameDim(inputs[c.input].d[j], c.want[j]))
-                    {
-                        return fail(std::string("mac::attend: ") + kInputNames[c.input] + " shape "
-                            + dimsToString(inputs[c.input]) + " does not fit q [B, Hq, d], k [B, Hkv, T, d], "
-                            + "qring [S, Hq, K, d]");
-                    }
-                }
+                return -1;
             }
             if (Hq->isConstant() && Hkv->isConstant())
             {
@@ -251,28 +191,13 @@ public:
                 outputs[o] = inputs[kAliasOf[o]];   // each ring as its input
             }
             return 0;
-        }
-        catch (...)
-        {
-            return -1;
-        }
-    }
-
-    bool supportsFormatCombination(
-        int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept override
-    {
-        if (nbInputs != kNbInputs || nbOutputs != kNbOutputs || pos < 0 || pos >= kNbInputs + kNbOutputs)
-        {
-            return false;
-        }
-        return inOut[pos].desc.format == TensorFormat::kLINEAR && inOut[pos].desc.type == kIoTypes[pos];
+        });
     }
 
     int32_t configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* /* out */,
         int32_t nbOutputs) noexcept override
     {
-        try
-        {
+        return guarded([&]() -> int32_t {
             if (nbInputs != kNbInputs || nbOutputs != kNbOutputs)
             {
                 return fail("mac::attend: wrong number of inputs/outputs");
@@ -286,54 +211,24 @@ public:
                     + dimsToString(in[kQ].desc.dims) + ", k " + dimsToString(in[kK].desc.dims) + ", qring "
                     + dimsToString(in[kQring].desc.dims));
             }
-            if (findSpec(hq, hkv, d, k, mBand, mScale) == nullptr)
+            if (findSpec(hq, hkv, d, k, mBand, mValue) == nullptr)
             {
-                return fail(noSpecMessage(hq, hkv, d, k, mBand, mScale));
+                return fail(noSpecMessage("attend", wanted(hq, hkv, d, k, mBand, mValue)));
             }
             return 0;
-        }
-        catch (...)
-        {
-            return -1;
-        }
+        });
     }
 
     // IPluginV3OneRuntime
-    int32_t onShapeChange(PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* /* out */,
-        int32_t nbOutputs) noexcept override
-    {
-        try
-        {
-            if (nbInputs != kNbInputs || nbOutputs != kNbOutputs)
-            {
-                return fail("mac::attend: wrong number of inputs/outputs");
-            }
-            int64_t const hq = in[kQ].dims.d[1], d = in[kQ].dims.d[2];
-            int64_t const hkv = in[kK].dims.d[1], k = in[kQring].dims.d[2];
-            if (findSpec(hq, hkv, d, k, mBand, mScale) == nullptr)
-            {
-                return fail(noSpecMessage(hq, hkv, d, k, mBand, mScale));
-            }
-            return 0;
-        }
-        catch (...)
-        {
-            return -1;
-        }
-    }
-
     int32_t enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc, void const* const* inputs,
         void* const* outputs, void* /* workspace */, cudaStream_t stream) noexcept override
     {
-        try
-        {
+        return guarded([&]() -> int32_t {
             int64_t const B = inputDesc[kQ].dims.d[0], T = inputDesc[kK].dims.d[2];
-            int64_t const hq = inputDesc[kQ].dims.d[1], d = inputDesc[kQ].dims.d[2];
-            int64_t const hkv = inputDesc[kK].dims.d[1], k = inputDesc[kQring].dims.d[2];
-            KernelSpec const* spec = findSpec(hq, hkv, d, k, mBand, mScale);
+            KernelSpec const* spec = specFor(inputDesc);
             if (spec == nullptr)
             {
-                return fail(noSpecMessage(hq, hkv, d, k, mBand, mScale));
+                return -1;
             }
             int64_t const i32max = std::numeric_limits<int32_t>::max();
             if (B < 0 || B > i32max || T < 0 || T > i32max)
@@ -373,132 +268,16 @@ public:
                 ptr(inputs[kQring]), ptr(inputs[kOring]), ptr(inputs[kRingLse]), ptr(inputs[kRingPos]),
                 static_cast<int32_t>(B), static_cast<int32_t>(T), ptr(outputs[0]), ptr(outputs[1]), ptr(outputs[2]),
                 ptr(outputs[3]), ptr(outputs[4]));
-            if (r != CUDA_SUCCESS)
-            {
-                return fail(std::string("mac::attend: macattn_attend_") + spec->name + " failed with CUresult "
-                    + std::to_string(static_cast<int>(r)));
-            }
-            return 0;
-        }
-        catch (...)
-        {
-            return -1;
-        }
+            return launched(r, "attend", spec->name);
+        });
     }
-
-    IPluginV3* attachToContext(IPluginResourceContext* context) noexcept override
-    {
-        auto* p = static_cast<AttendPlugin*>(clone());
-        if (p != nullptr && context != nullptr)
-        {
-            p->mRecorder = context->getErrorRecorder();
-        }
-        return p;
-    }
-
-    PluginFieldCollection const* getFieldsToSerialize() noexcept override
-    {
-        mBand32 = static_cast<int32_t>(mBand);
-        mFields[0] = PluginField("band", &mBand32, PluginFieldType::kINT32, 1);
-        mFields[1] = PluginField("scale", &mScale, PluginFieldType::kFLOAT32, 1);
-        mFieldCollection.nbFields = 2;
-        mFieldCollection.fields = mFields;
-        return &mFieldCollection;
-    }
-
-private:
-    int32_t fail(std::string const& msg) const noexcept
-    {
-        reportError(mRecorder, msg);
-        return -1;
-    }
-
-    int64_t mBand;
-    float mScale;
-    int32_t mBand32{0};
-    IErrorRecorder* mRecorder{nullptr};
-    PluginField mFields[2];
-    PluginFieldCollection mFieldCollection{};
-};
-
-class AttendCreator : public IPluginCreatorV3One
-{
-public:
-    AttendCreator()
-    {
-        // Declared types: the ONNX parser converts node attributes to these (INT -> int32, FLOAT -> float32).
-        mFields[0] = PluginField("band", nullptr, PluginFieldType::kINT32, 1);
-        mFields[1] = PluginField("scale", nullptr, PluginFieldType::kFLOAT32, 1);
-        mFieldCollection.nbFields = 2;
-        mFieldCollection.fields = mFields;
-    }
-
-    AsciiChar const* getPluginName() const noexcept override { return kAttendName; }
-    AsciiChar const* getPluginVersion() const noexcept override { return kPluginVersion; }
-    AsciiChar const* getPluginNamespace() const noexcept override { return kPluginNamespace; }
-    PluginFieldCollection const* getFieldNames() noexcept override { return &mFieldCollection; }
-
-    IPluginV3* createPlugin(AsciiChar const* /* name */, PluginFieldCollection const* fc,
-        TensorRTPhase /* phase */) noexcept override
-    {
-        try
-        {
-            bool haveBand = false, haveScale = false;
-            int64_t band = 0;
-            float scale = 0.0f;
-            for (int32_t i = 0; fc != nullptr && i < fc->nbFields; ++i)
-            {
-                PluginField const& f = fc->fields[i];
-                std::string const name = f.name != nullptr ? f.name : "";
-                if (name == "band")
-                {
-                    if (!readIntField(f, band))
-                    {
-                        reportError(nullptr, "mac::attend: field band must be one int32 or int64");
-                        return nullptr;
-                    }
-                    haveBand = true;
-                }
-                else if (name == "scale")
-                {
-                    if (!readFloatField(f, scale))
-                    {
-                        reportError(nullptr, "mac::attend: field scale must be one float32");
-                        return nullptr;
-                    }
-                    haveScale = true;
-                }
-            }
-            if (!haveBand || !haveScale)
-            {
-                reportError(nullptr, "mac::attend: fields band and scale are required");
-                return nullptr;
-            }
-            std::string const attrs = checkAttrs(band, scale);
-            if (!attrs.empty())
-            {
-                reportError(nullptr, attrs);
-                return nullptr;
-            }
-            return new AttendPlugin(band, scale);
-        }
-        catch (...)
-        {
-            return nullptr;
-        }
-    }
-
-private:
-    PluginField mFields[2];
-    PluginFieldCollection mFieldCollection{};
 };
 
 } // namespace
 
 IPluginCreatorInterface* attendCreator() noexcept
 {
-    static AttendCreator creator;
-    return &creator;
+    return creatorInstance<AttendPlugin>();
 }
 
 } // namespace trt
