@@ -33,6 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..triton_softmax import online_softmax_finish, online_softmax_update
 from .plan import NMAX_A, plan_step
 
 __all__ = ["AttendMeta", "attend_meta", "launch_plan", "launch_attend", "launch_merge", "NMAX_A"]
@@ -78,24 +79,14 @@ def _load_rows(part_o_ptr, part_lse_ptr, s0, s1, jh, HPG: tl.constexpr, D: tl.co
 
 
 @triton.jit
-def _fold(lse, o, M, L, acc):
-    """Merge a block of summaries ``(lse [MB], o [MB, D])`` into the running ``(M, L, acc)``:
-    ``M`` running max lse, ``L`` weight sum relative to ``M``, ``acc`` ``[D]``."""
-    m_new = tl.maximum(M, tl.max(lse, axis=0))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    a = tl.exp(M - m_safe)
-    w = tl.exp(lse - m_safe)
-    return m_new, L * a + tl.sum(w, axis=0), acc * a + tl.sum(w[:, None] * o, axis=0)
-
-
-@triton.jit
 def _fold_rest(part_o_ptr, part_lse_ptr, s0, s1, jh, M, L, acc, HPG: tl.constexpr, D: tl.constexpr,
                MB: tl.constexpr):
     """Fold rows ``[s0 + MB, s1)`` (the first ``MB`` rows are folded by the caller) in blocks of
-    ``4 * MB``: a long list (a missed head's group) takes a few wide loads, not many narrow ones."""
+    ``4 * MB`` into the running ``(M, L, acc [D])`` (online softmax over the rows' lse, base e):
+    a long list (a missed head's group) takes a few wide loads, not many narrow ones."""
     for it in range(s0 + MB, s1, 4 * MB):
         lse, o = _load_rows(part_o_ptr, part_lse_ptr, it, s1, jh, HPG, D, 4 * MB)
-        M, L, acc = _fold(lse, o, M, L, acc)
+        M, L, acc = online_softmax_update(M, L, acc, lse, o, AXIS=0, BASE2=False)
     return M, L, acc
 
 
@@ -195,25 +186,14 @@ def _attend_kernel(
         v = tl.load(vbase + voff[:, None] + dd[None, :], mask=tm[:, None], other=0.0)
         if DOT_F32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)))
+            v = v.to(tl.float32)
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * scale_log2
         valid = tm[None, :] & (t[None, :] >= lo_h[:, None])
         s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_F32:
-            pv = tl.dot(p, v.to(tl.float32))
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    nonempty = l_i > 0.0
-    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, AXIS=1, BASE2=True)
+    lse, o = online_softmax_finish(m_i, l_i, acc, BASE2=True)
     prow = i.to(tl.int64) * HPG + r
     tl.store(part_o_ptr + prow[:, None] * D + dd[None, :], o, mask=rmask[:, None])
     tl.store(part_lse_ptr + prow, lse, mask=rmask)
@@ -272,14 +252,12 @@ def _merge_kernel(
                       mask=hit & (dd < D), other=0.0).to(tl.float32)
         L = tl.where(hit, 1.0, 0.0)
         a_lse, a_o = _load_rows(part_o_ptr, part_lse_ptr, a_start, a_start + na, jh, HPG, D, MB)
-        M, L, acc = _fold(a_lse, a_o, M, L, acc)
+        M, L, acc = online_softmax_update(M, L, acc, a_lse, a_o, AXIS=0, BASE2=False)
         M, L, acc = _fold_rest(part_o_ptr, part_lse_ptr, a_start, a_start + na, jh, M, L, acc, HPG, D, MB)
-        e_ok = L > 0.0
-        e_lse = tl.where(e_ok, M + tl.log(tl.where(e_ok, L, 1.0)), float("-inf"))
-        e_o = acc / tl.where(e_ok, L, 1.0)
-    M, L, acc = _fold(b_lse, b_o, M, L, acc)
+        e_lse, e_o = online_softmax_finish(M, L, acc, BASE2=False)
+    M, L, acc = online_softmax_update(M, L, acc, b_lse, b_o, AXIS=0, BASE2=False)
     M, L, acc = _fold_rest(part_o_ptr, part_lse_ptr, b_start, b_end, jh, M, L, acc, HPG, D, MB)
-    o = acc / tl.where(L > 0.0, L, 1.0)
+    _, o = online_softmax_finish(M, L, acc, BASE2=False)
     tl.store(out_ptr + b64 * stride_ob + h64 * stride_oh + dd, o.to(out_ptr.dtype.element_ty))
     if MODE != 0:
         # slot p mod K (read above) is slot m mod K when p = m - K: read before write

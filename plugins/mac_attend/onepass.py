@@ -2,7 +2,8 @@
 
 TensorRT's ahead-of-time plugin interface launches one kernel whose parameters are the
 plugin's tensors and int32 scalars (no workspace), and Triton's AOT C tool needs a file it
-can execute on its own; so this file imports only ``triton``. One program per
+can execute on its own; so this file imports only ``triton`` and the triton-only online-softmax
+helpers of ``plugins/triton_softmax.py`` (by path when the C tool runs it alone). One program per
 ``(request, KV group)`` loads each KV row of its range once for the group's ``HPG`` query
 heads (rows of one ``tl.dot``), in two loops that never straddle ``m - r``::
 
@@ -26,7 +27,18 @@ followed by ``ring_append_reference``.
 import triton
 import triton.language as tl
 
-_LN2 = 0.6931471805599453
+try:
+    from ..triton_softmax import online_softmax_finish, online_softmax_update
+except ImportError:   # run as a lone file (Triton's AOT C tool): load the triton-only helper file by its path
+    import importlib.util
+    import os
+
+    _spec = importlib.util.spec_from_file_location(
+        "macattn_triton_softmax", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                               "triton_softmax.py"))
+    _softmax = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_softmax)
+    online_softmax_finish, online_softmax_update = _softmax.online_softmax_finish, _softmax.online_softmax_update
 
 
 @triton.jit
@@ -46,24 +58,13 @@ def _attend_range(q, kbase, vbase, t0, t1, lo_h, scale_log2, D: tl.constexpr, BL
         v = tl.load(vbase + off, mask=tm[:, None], other=0.0)
         if DOT_F32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+            v = v.to(tl.float32)
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * scale_log2
         s = tl.where(tm[None, :] & (t[None, :] >= lo_h[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_F32:
-            pv = tl.dot(p, v.to(tl.float32))
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    ok = l_i > 0.0
-    lse = tl.where(ok, (m_i + tl.log2(tl.where(ok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    return lse, acc / tl.where(ok, l_i, 1.0)[:, None]
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, AXIS=1, BASE2=True)
+    return online_softmax_finish(m_i, l_i, acc, BASE2=True)
 
 
 @triton.jit

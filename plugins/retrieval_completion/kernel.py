@@ -25,6 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..triton_softmax import online_softmax_update
+
 __all__ = ["_completion_cache", "_mid_logits", "_decode_partial", "_decode_merge"]
 
 
@@ -59,13 +61,8 @@ def _completion_cache(lpk_ptr, v_ptr, npf_ptr, a_ptr, b_ptr, shift_ptr,
                      other=float("-inf"))
         v = tl.load(v_base + tt[:, None].to(tl.int64) * s_vt + dd[None, :], mask=tm[:, None] & dm[None, :],
                     other=0.0).to(tl.float32)
-        c_new = tl.maximum(c, tl.max(lp, axis=0))
-        c_safe = tl.where(c_new == float("-inf"), 0.0, c_new)
-        alpha = tl.exp(c - c_safe)                       # 0 while c was -inf
-        w = tl.exp(lp - c_safe[None, :])                 # [BLOCK_T, F_P], 0 on padding
-        bs = bs * alpha + tl.sum(w, axis=0)
-        acc = acc * alpha[:, None] + tl.dot(tl.trans(w), v, input_precision="ieee")
-        c = c_new
+        # per feature f: c_f running max of lp[:, f], bs_f = Σ exp(lp - c_f), A_f += exp(lp - c_f)ᵀ V (fp32, IEEE)
+        c, bs, acc = online_softmax_update(c, bs, acc, lp, v, AXIS=0, BASE2=False, PRECISION="ieee")
     shift = tl.where(c == float("-inf"), 0.0, c)
     row = b * H + h
     tl.store(a_ptr + row * F * D + ff[:, None] * D + dd[None, :], acc, mask=fm[:, None] & dm[None, :])
@@ -153,13 +150,7 @@ def _decode_partial(q_ptr, k_ptr, v_ptr, sl_ptr, npf_ptr, lpk_ptr, shift_ptr, id
         v = tl.load(v_base + tt[:, None] * s_kt + dd[None, :], mask=valid[:, None] & dm[None, :],
                     other=0.0).to(tl.float32)
         s = tl.where(valid, tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, AXIS=0, BASE2=False)
         if use_comp:
             lp = tl.load(lpk_base + tt[:, None] * s_lt + ff[None, :], mask=is_ret[:, None] & fm[None, :],
                          other=float("-inf"))
@@ -216,11 +207,8 @@ def _decode_merge(npf_ptr, lpq_ptr, a_ptr, b_ptr, shift_ptr, pm_ptr, pl_ptr, pac
         shift = tl.load(shift_ptr + (b * HKV + g) * F + ff, mask=fm, other=0.0)
         lpq = tl.load(lpq_ptr + row * F + ff, mask=fm, other=0.0)
         la = tl.where(live, lpq + shift + tl.log(tl.where(live, b2, 1.0)), float("-inf"))
-        m_new = tl.maximum(m_e, tl.max(la, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_e - m_safe)
-        wc = tl.exp(la - m_safe)
-        num = num * alpha + tl.sum(wc[:, None] * (a2 / tl.where(live, b2, 1.0)[:, None]), axis=0)
-        den = l_i * alpha + tl.sum(wc, axis=0)
+        # one more online-softmax step: the live features' completion terms, values A'_f / b'_f
+        _, den, num = online_softmax_update(m_e, l_i, num, la, a2 / tl.where(live, b2, 1.0)[:, None],
+                                            AXIS=0, BASE2=False)
     out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
     tl.store(out_ptr + row * D + dd, out.to(out_ptr.dtype.element_ty), mask=dm)
