@@ -60,7 +60,7 @@ def measure(model, *, mac: MacConfig | None, fused: bool, B: int, context: int, 
         bucket = ex.paged.buckets[ex.paged.bucket_size(B)]
         us = graph_replay_us(bucket.graph, reps)          # the engine's captured decode step
         rec.update(step_us_median=statistics.median(us), step_us_p10=sorted(us)[len(us) // 10],
-                   fused_extra_bytes=ex.fused.extra_bytes if ex.fused is not None else 0)
+                   gpu_mem_allocated=torch.cuda.memory_allocated())
     else:
         rec["note"] = "CPU dry run: no graph to time"
     eng.run_to_completion()

@@ -62,10 +62,17 @@ def test_fused_weights_are_the_concatenated_projections():
     fused = FusedForward(model)
     attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
     layer = fused.layers[1]
-    assert torch.equal(layer.qkv_weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
-    assert torch.equal(layer.qkv_bias, torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
-    assert torch.equal(layer.gate_up_weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-    assert fused.extra_bytes == sum(p.numel() * 4 for p in (layer.qkv_weight, layer.qkv_bias, layer.gate_up_weight)) * 2
+    before = build_builtin_model("qwen2", seed=0, **SMALL).float().model.layers[1]
+    a0, m0 = before.self_attn, before.mlp
+    assert torch.equal(layer.qkv_weight, torch.cat([a0.q_proj.weight, a0.k_proj.weight, a0.v_proj.weight]))
+    assert torch.equal(layer.qkv_bias, torch.cat([a0.q_proj.bias, a0.k_proj.bias, a0.v_proj.bias]))
+    assert torch.equal(layer.gate_up_weight, torch.cat([m0.gate_proj.weight, m0.up_proj.weight]))
+    for mod, ref in ((attn.q_proj, a0.q_proj), (attn.v_proj, a0.v_proj), (mlp.gate_proj, m0.gate_proj)):
+        assert torch.equal(mod.weight, ref.weight)
+    # one copy of the weights: the model's projections are views into the fused tensors
+    assert attn.k_proj.weight.data_ptr() == layer.qkv_weight[attn.q_proj.out_features:].data_ptr()
+    assert attn.v_proj.bias.data_ptr() == layer.qkv_bias[-attn.v_proj.out_features:].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == layer.gate_up_weight[mlp.gate_proj.out_features:].data_ptr()
 
 
 def test_add_rms_norm_matches_the_model_norm():

@@ -7,7 +7,7 @@ gate/up as one ``[2 I, D]``; RMSNorm is applied together with the residual add
 (``add_rms_norm``). It computes what the transformers model computes — embedding, per layer
 norm → QKV → RoPE → KV update → the bound method's attention → O → residual → norm → gate/up →
 SiLU·mul → down → residual, final norm, logits of the last position — with fewer, larger GEMMs
-(one launch instead of three and of two per layer). The attention call is the bound model's
+(one launch instead of three and of two per layer), holding one copy of the weights. The attention call is the bound model's
 (``macattn.models.attention``), so every method and its per-call ``StepContext`` work unchanged;
 the KV cache argument is the same ``past_key_values`` view the transformers forward takes.
 """
@@ -60,6 +60,17 @@ class _FusedLayer(nn.Module):
                              if has_bias else None)
             self.gate_up_weight = nn.Parameter(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
                                                requires_grad=False)
+        # the originals become views into the fused tensors: one copy of the weights, and the
+        # transformers modules (prefill through the model's own forward, export) still see them
+        sizes = (self.q_size, self.kv_size, self.kv_size)
+        for proj, w in zip(projs, self.qkv_weight.split(sizes)):
+            proj.weight = nn.Parameter(w, requires_grad=False)
+        if self.qkv_bias is not None:
+            for proj, b in zip(projs, self.qkv_bias.split(sizes)):
+                proj.bias = nn.Parameter(b, requires_grad=False)
+        inter = mlp.gate_proj.out_features
+        mlp.gate_proj.weight = nn.Parameter(self.gate_up_weight[:inter], requires_grad=False)
+        mlp.up_proj.weight = nn.Parameter(self.gate_up_weight[inter:], requires_grad=False)
         self.o_proj, self.down_proj, self.act = attn.o_proj, mlp.down_proj, mlp.act_fn
         self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
         self.intermediate = mlp.gate_proj.out_features
@@ -96,8 +107,8 @@ class FusedForward(nn.Module):
     logits ``[B, V]`` of the last position, in the model's dtype promoted as transformers does.
 
     model: a bound (``macattn.models.attention.bind``) LLaMA / Qwen2 / Mistral ``*ForCausalLM``;
-    its modules are shared (embedding, norms, O / down projections, LM head), Q/K/V and gate/up
-    are copied once into fused weights (``extra_bytes`` of device memory).
+    its modules are shared (embedding, norms, O / down projections, LM head); Q/K/V and gate/up are
+    concatenated once and the model's own projection weights become views into them (no second copy).
     """
 
     def __init__(self, model) -> None:
@@ -106,11 +117,6 @@ class FusedForward(nn.Module):
         inner = model.model
         self.embed, self.rotary, self.norm, self.lm_head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
         self.layers = nn.ModuleList(_FusedLayer(layer) for layer in inner.layers[: model.config.num_hidden_layers])
-
-    @property
-    def extra_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for layer in self.layers
-                   for p in (layer.qkv_weight, layer.qkv_bias, layer.gate_up_weight) if p is not None)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
                 past_key_values=None) -> torch.Tensor:
