@@ -14,6 +14,7 @@ attention savings (``bench_e2e.py`` / ``bench_mac_decode.py`` do). JSON with eve
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -45,6 +46,13 @@ def build(shapes: dict, device: str, dtype: torch.dtype):
     return model.eval()
 
 
+def _weight_bytes(ex) -> int:
+    """Bytes of the distinct storages behind the model's and the fused forward's parameters."""
+    params = list(ex.model.parameters()) + (list(ex.fused.parameters()) if ex.fused is not None else [])
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
+    return sum(storages.values())
+
+
 def measure(model, *, mac: MacConfig | None, fused: bool, B: int, context: int, device: str, reps: int) -> dict:
     rc = RuntimeConfig(max_batch_size=B, max_seq_len=context + 16, device=device,
                        use_cuda_graphs=device == "cuda", fused_weights=fused)
@@ -60,7 +68,7 @@ def measure(model, *, mac: MacConfig | None, fused: bool, B: int, context: int, 
         bucket = ex.paged.buckets[ex.paged.bucket_size(B)]
         us = graph_replay_us(bucket.graph, reps)          # the engine's captured decode step
         rec.update(step_us_median=statistics.median(us), step_us_p10=sorted(us)[len(us) // 10],
-                   gpu_mem_allocated=torch.cuda.memory_allocated())
+                   weight_bytes=_weight_bytes(ex))
     else:
         rec["note"] = "CPU dry run: no graph to time"
     eng.run_to_completion()
@@ -91,6 +99,7 @@ def main(argv=None) -> int:
             rows.append(measure(model, mac=mac if use_mac else None, fused=fused, B=args.batch, context=context,
                                 device=device, reps=args.reps))
             print(json.dumps(rows[-1]), flush=True)
+            gc.collect()
     report = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "python": platform.python_version(), "shapes": shapes, "rows": rows}
     if device == "cuda":
