@@ -17,17 +17,19 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 import os
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
 __all__ = ["KernelSpec", "AotImage", "compile_image", "static_dim", "same_dim", "triton_ptr_type", "SM90", "HIDDEN_PARAMS",
-           "check_input_ranks", "pow2_head_dim"]
+           "FLOATS", "check_int_attrs", "check_input_ranks", "check_dims_fit", "check_dtypes", "pow2_head_dim", "destination"]
 
 SM90 = 90
 HIDDEN_PARAMS = 2
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)   # the activations' dtypes the plugins take
 
 _PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64",
         torch.int32: "*i32"}
@@ -58,6 +60,13 @@ def same_dim(a: Any, b: Any) -> bool:
         return True
 
 
+def check_int_attrs(**attrs: Any) -> None:
+    """Each integer attribute must be an int >= 0 (``ValueError`` naming the first that is not)."""
+    for name, val in attrs.items():
+        if isinstance(val, bool) or not isinstance(val, numbers.Integral) or val < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {val!r}")
+
+
 def check_input_ranks(op: str, names: Sequence[str], ranks: Sequence[int], shapes: Sequence[Sequence[Any]],
                       dtypes: Sequence[torch.dtype]) -> None:
     """``op`` takes ``len(names)`` inputs of ranks ``ranks``: ``ValueError`` naming the first that does not."""
@@ -68,12 +77,43 @@ def check_input_ranks(op: str, names: Sequence[str], ranks: Sequence[int], shape
             raise ValueError(f"{name} must have rank {rank}, got {len(shape)}")
 
 
+def check_dims_fit(fits: Iterable[tuple[str, Sequence[Any], Sequence[Any]]], layout: str = "") -> None:
+    """Each ``(name, shape, want)``: ``ValueError`` naming the first input whose known dims differ from
+    ``want`` (``layout``: the inputs' layout, appended to the message)."""
+    for name, got, want in fits:
+        if not all(same_dim(a, b) for a, b in zip(got, want)):
+            raise ValueError(f"{name} shape {tuple(got)} does not fit {tuple(want)}{layout}")
+
+
+def check_dtypes(names: Sequence[str], dtypes: Sequence[torch.dtype],
+                 allowed: Mapping[str, Sequence[torch.dtype]]) -> None:
+    """``TypeError`` naming the first input ``names[i]`` whose dtype is not in ``allowed[names[i]]``
+    (inputs not in ``allowed``: any dtype)."""
+    for name, dt in zip(names, dtypes):
+        if name in allowed and dt not in allowed[name]:
+            raise TypeError(f"{name} must be one of {tuple(allowed[name])}, got {dt}")
+
+
 def pow2_head_dim(x: Any, what: str) -> int:
     """The static head dim of an AOT kernel: a power of two >= 16."""
     d = static_dim(x, what)
     if d < 16 or d & (d - 1):
         raise ValueError(f"head dim d must be a power of two >= 16, got {d}")
     return d
+
+
+def destination(out: torch.Tensor | None, name: str, shape: Sequence[int], dtype: torch.dtype,
+                device: torch.device, alloc: Callable[..., torch.Tensor] = torch.empty) -> torch.Tensor:
+    """Where a launcher writes one output: a new ``alloc(*shape, dtype=, device=)`` when ``out`` is None,
+    else ``out`` (a plugin's JIT impl passes TensorRT's output buffer), which must be a contiguous
+    ``shape`` tensor of ``dtype`` on ``device`` (``ValueError`` naming it otherwise)."""
+    if out is None:
+        return alloc(*shape, dtype=dtype, device=device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device or not out.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {list(shape)} on {device}, got "
+                         f"{'a contiguous' if out.is_contiguous() else 'a strided'} {out.dtype} tensor of shape "
+                         f"{list(out.shape)} on {out.device}")
+    return out
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,8 @@ class MacDecodePlan:
     # -- stages (public so benchmarks can time them separately) -------------------------------
     def _need_tau(self) -> None:
         if self.thr is None:
-            raise ValueError("this plan was made without tau (attend-only): the match stages need MacDecodePlan(tau=...)")
+            raise ValueError("this MacDecodePlan was made without tau (attend-only: run_attend / run_full); "
+                             "the match stages (run, run_match, run_plan without match_pos) need MacDecodePlan(tau=...)")
 
     def run_match(self, q_pre, qring, ring_pos, ring_lse, slots, positions) -> None:
         """Stage 1: match partials (per ring split: nearest candidate, its pos and cached lse)."""
@@ -237,7 +238,8 @@ class MacDecodePlan:
     def run(self, q, q_pre, k, v, positions, slots, qring, oring, ring_lse, ring_pos, page_table=None, *,
             check: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One MAC step: returns ``(out [B, Hq, d], match_pos [B, Hq] int64, dist [B, Hq] fp32)`` (plan buffers);
-        the rings are updated in place."""
+        the rings are updated in place. Needs a plan made with ``tau``."""
+        self._need_tau()
         if check:
             self._check_step(q, q_pre, k, v, positions, slots, qring, oring, ring_lse, ring_pos, page_table)
         if not self._calibrated:

@@ -10,15 +10,17 @@ Usage on a machine with TensorRT::
     from macattn.plugins.tensorrt_plugins import register_all
     register_all()          # then parse *.trt.onnx (op_type match/attend, namespace mac)
 
-``impl`` runs the ops through torch (the Triton JIT kernels) on TensorRT's stream;
-``aot_impl`` hands TensorRT the one-pass kernel images (``AotImage``), so an engine built
-with ``--aot`` plugins needs no Python at run time.
+``impl`` runs the op's Triton launcher (the one registered as the torch op's CUDA kernel) on
+TensorRT's stream, writing TensorRT's output buffers; ``aot_impl`` hands TensorRT the one-pass
+kernel images (``AotImage``), so an engine built with ``--aot`` plugins needs no Python at run time.
 """
 from __future__ import annotations
 
+from typing import Any, Callable, Mapping, Sequence, Tuple, Union
+
 from .aot import AotImage
 
-__all__ = ["require_tensorrt", "register_all", "image_to_tensorrt"]
+__all__ = ["require_tensorrt", "register_all", "image_to_tensorrt", "PluginBinding"]
 
 _REGISTERED = False
 
@@ -36,27 +38,6 @@ def require_tensorrt():
     return tensorrt, trtp
 
 
-def _dtype_maps(trt):
-    import torch
-
-    pairs = [(trt.float32, torch.float32), (trt.float16, torch.float16), (trt.bfloat16, torch.bfloat16),
-             (trt.int64, torch.int64), (trt.int32, torch.int32)]
-
-    def to_torch(dt):
-        for a, b in pairs:
-            if dt == a:
-                return b
-        raise TypeError(f"TensorRT dtype {dt} is not supported by the macattn plugins")
-
-    def to_trt(dt):
-        for a, b in pairs:
-            if dt == b:
-                return a
-        raise TypeError(f"torch dtype {dt} has no TensorRT counterpart here")
-
-    return to_torch, to_trt
-
-
 def image_to_tensorrt(trtp, image: AotImage):
     """``(kernel_name, ptx, KernelLaunchParams, SymIntExprs)`` as an ``aot_impl`` returns them."""
     launch = trtp.KernelLaunchParams()
@@ -67,6 +48,75 @@ def image_to_tensorrt(trtp, image: AotImage):
     for i, e in enumerate(image.extra_args):
         extra[i] = trtp.SymInt32(e)
     return image.kernel_name, image.ptx, launch, extra
+
+
+class PluginBinding:
+    """The bodies every plugin definition hands ``tensorrt.plugin``, in one place.
+
+    ``tensorrt.plugin`` reads the registered functions' parameter names and annotations, so each
+    ``plugin.py`` writes out its signatures; the bodies are one call each:
+
+    * descriptor: ``output_descs(inputs, output_specs, **attrs)``;
+    * JIT impl: ``launch(stream, launcher, inputs, attrs, outputs)``;
+    * AOT impl: ``aot(inputs, aot_image, **attrs)`` (return annotation: ``aot_result``).
+    """
+
+    def __init__(self, trt, trtp) -> None:
+        import torch
+
+        self.trtp = trtp
+        self._dtypes = ((trt.float32, torch.float32), (trt.float16, torch.float16), (trt.bfloat16, torch.bfloat16),
+                        (trt.int64, torch.int64), (trt.int32, torch.int32))
+        # the return annotation tensorrt.plugin requires of an aot_impl
+        self.aot_result = Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]
+
+    def to_torch_dtype(self, dtype) -> Any:
+        """The torch dtype of a TensorRT ``DataType``; ``TypeError`` for one the plugins do not take."""
+        return self._convert(dtype, 0, "TensorRT dtype {} is not supported by the macattn plugins")
+
+    def to_trt_dtype(self, dtype) -> Any:
+        """The TensorRT ``DataType`` of a torch dtype."""
+        return self._convert(dtype, 1, "torch dtype {} has no TensorRT counterpart here")
+
+    def _convert(self, dtype, side: int, error: str):
+        for pair in self._dtypes:
+            if dtype == pair[side]:
+                return pair[1 - side]
+        raise TypeError(error.format(dtype))
+
+    def apply(self, fn: Callable[..., Any], inputs: Sequence[Any], **attrs) -> Any:
+        """``fn(shapes, dtypes, **attrs)`` (a plain function of ``plugin.py``: inference, AOT image) over the
+        input descriptors' shape expressions and torch dtypes."""
+        return fn([t.shape_expr for t in inputs], [self.to_torch_dtype(t.dtype) for t in inputs], **attrs)
+
+    def output_descs(self, inputs: Sequence[Any], output_specs: Callable[..., list], *,
+                     aliases: Mapping[int, int] | None = None, **attrs) -> tuple:
+        """TensorRT descriptors of the outputs ``output_specs`` infers: ``(shape, dtype)`` or ``(shape,
+        dtype, alias_of)`` per output. Output ``i`` aliasing input ``j`` (``alias_of``, or ``aliases[i]``)
+        is ``inputs[j].aliased()``: TensorRT binds one buffer to both, the launcher writes it in place."""
+        descs = []
+        for i, spec in enumerate(self.apply(output_specs, inputs, **attrs)):
+            alias = aliases.get(i) if aliases is not None else (spec[2] if len(spec) > 2 else None)
+            descs.append(inputs[alias].aliased() if alias is not None
+                         else self.trtp.from_shape_expr(tuple(spec[0]), dtype=self.to_trt_dtype(spec[1])))
+        return tuple(descs)
+
+    @staticmethod
+    def launch(stream: int, launcher: Callable[..., Any], inputs: Sequence[Any], attrs: Sequence[Any],
+               outputs: Sequence[Any]) -> None:
+        """``launcher(*inputs, *attrs, out=...)`` on TensorRT's ``stream``; every tensor a torch view of
+        TensorRT's buffer (no copy). ``outputs``: the buffers the launcher writes (aliased outputs are
+        written through their inputs), passed as ``out`` like the op returns them: one tensor, or a tuple."""
+        import torch
+
+        ins = [torch.as_tensor(t, device="cuda") for t in inputs]
+        outs = tuple(torch.as_tensor(t, device="cuda") for t in outputs)
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            launcher(*ins, *attrs, out=outs[0] if len(outs) == 1 else outs)
+
+    def aot(self, inputs: Sequence[Any], aot_image: Callable[..., AotImage], **attrs):
+        """What an ``aot_impl`` returns for ``aot_image(shapes, dtypes, **attrs)`` over the input descriptors."""
+        return image_to_tensorrt(self.trtp, self.apply(aot_image, inputs, **attrs))
 
 
 def register_all() -> tuple[str, ...]:
@@ -80,11 +130,9 @@ def register_all() -> tuple[str, ...]:
     from .route_fused import plugin as route_plugin
 
     if not _REGISTERED:
-        to_torch, to_trt = _dtype_maps(trt)
-        match_plugin.register_tensorrt(trtp, to_torch, to_trt)
-        attend_plugin.register_tensorrt(trtp, to_torch, to_trt)
-        route_plugin.register_tensorrt(trtp, to_torch, to_trt)
-        completion_plugin.register_tensorrt(trtp, to_torch, to_trt)
+        binding = PluginBinding(trt, trtp)
+        for plugin in (match_plugin, attend_plugin, route_plugin, completion_plugin):
+            plugin.register_tensorrt(binding)
         _REGISTERED = True
     return (match_plugin.PLUGIN_ID, attend_plugin.PLUGIN_ID, route_plugin.PLUGIN_ID, completion_plugin.STEP_ID,
             completion_plugin.CACHE_ID)

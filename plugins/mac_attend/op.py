@@ -1,14 +1,15 @@
 """CUDA implementation of ``macattn::mac_attend`` (registered by
-``macattn.methods.mac.ops.register_cuda_kernels``).
+``macattn.methods.mac.ops.register_cuda_kernels``; the JIT impl of the ``mac::attend`` plugin).
 
 Contiguous KV ``[B, Hkv, T, d]`` as the op's reference. The launcher owns one attend-only
 ``MacDecodePlan`` (scratch + launch parameters, no threshold) per shape bucket; each call writes
-a fresh output tensor.
+a fresh output tensor, or the given ``out``.
 """
 from __future__ import annotations
 
 import torch
 
+from ..aot import destination
 from ..decode_plan import MacDecodePlan
 
 __all__ = ["MacAttendLauncher"]
@@ -21,6 +22,8 @@ class MacAttendLauncher:
         self._plans: dict[tuple, MacDecodePlan] = {}
 
     def plan_for(self, q: torch.Tensor, k: torch.Tensor, qring: torch.Tensor, band: int, scale: float) -> MacDecodePlan:
+        """The plan of q ``[B, Hq, d]``, k ``[B, Hkv, T, d]``, qring ``[S, Hq, K, d]``, band, scale and q's
+        dtype and device (made at the first call with them)."""
         B, Hq, d = q.shape
         key = (q.device, B, Hq, k.shape[1], d, k.shape[2], qring.shape[2], band, float(scale), q.dtype)
         plan = self._plans.get(key)
@@ -37,13 +40,12 @@ class MacAttendLauncher:
                  band: int, scale: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Same contract as the ``macattn::mac_attend`` op: returns ``out [B, Hq, d]`` in ``q``'s dtype and
         appends ``(q_pre, entry, m)`` to slot ``m mod K`` of the rings. ``positions`` must lie in ``[0, T-1]``
-        (not checked). ``out``: optional destination (TensorRT's output buffer)."""
+        (not checked). ``out``: optional contiguous destination (TensorRT's output buffer), returned."""
         if q.dim() != 3:
             raise ValueError(f"q must be [B, Hq, d], got {tuple(q.shape)}")
         if k.dim() != 4:
             raise ValueError(f"k must be [B, Hkv, T, d], got {tuple(k.shape)}")
-        if out is None:
-            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = destination(out, "out", q.shape, q.dtype, q.device)
         if q.shape[0] == 0:
             return out
         plan = self.plan_for(q, k, qring, band, scale)

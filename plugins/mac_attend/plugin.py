@@ -16,8 +16,8 @@ from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ..aot import (AotImage, KernelSpec, check_input_ranks, compile_image, pow2_head_dim, same_dim, static_dim,
-                   triton_ptr_type)
+from ..aot import (FLOATS, AotImage, KernelSpec, check_dims_fit, check_dtypes, check_input_ranks, check_int_attrs,
+                   compile_image, pow2_head_dim, static_dim, triton_ptr_type)
 
 __all__ = ["PLUGIN_ID", "INPUTS", "OUTPUTS", "OutputSpec", "attend_output_specs", "attend_kernel_spec", "attend_aot_image",
            "register_tensorrt"]
@@ -25,8 +25,10 @@ __all__ = ["PLUGIN_ID", "INPUTS", "OUTPUTS", "OutputSpec", "attend_output_specs"
 PLUGIN_ID = "mac::attend"
 INPUTS = ("q", "q_pre", "k", "v", "positions", "match_pos", "slots", "qring", "oring", "ring_lse", "ring_pos")
 OUTPUTS = ("out", "qring_out", "oring_out", "ring_lse_out", "ring_pos_out")
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _RANKS = (3, 3, 4, 4, 1, 2, 1, 4, 4, 3, 2)
+_DTYPES = {**dict.fromkeys(("q", "q_pre", "k", "v", "qring"), FLOATS),
+           **dict.fromkeys(("positions", "match_pos", "slots", "ring_pos"), (torch.int64,)),
+           "oring": (torch.float32,), "ring_lse": (torch.float32,)}
 
 
 class OutputSpec(NamedTuple):
@@ -36,8 +38,7 @@ class OutputSpec(NamedTuple):
 
 
 def _check_attrs(band: int, scale: float) -> None:
-    if isinstance(band, bool) or not isinstance(band, numbers.Integral) or band < 0:
-        raise ValueError(f"band must be an int >= 0, got {band!r}")
+    check_int_attrs(band=band)
     if not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0.0):
         raise ValueError(f"scale must be a finite float > 0, got {scale!r}")
 
@@ -53,30 +54,20 @@ def attend_output_specs(shapes: Sequence[Sequence[Any]], dtypes: Sequence[torch.
     B, Hq, d = q
     Hkv, T = k[1], k[2]
     S, K = qring[0], qring[2]
-    checks = (("q_pre", q_pre, (B, Hq, d)), ("k", k, (B, Hkv, T, d)), ("v", v, (B, Hkv, T, d)),
-              ("positions", positions, (B,)), ("match_pos", match_pos, (B, Hq)), ("slots", slots, (B,)),
-              ("qring", qring, (S, Hq, K, d)), ("oring", oring, (S, Hq, K, d)), ("ring_lse", ring_lse, (S, Hq, K)),
-              ("ring_pos", ring_pos, (S, K)))
-    for name, got, want in checks:
-        if not all(same_dim(a, b) for a, b in zip(got, want)):
-            raise ValueError(f"{name} shape {tuple(got)} does not fit q [B, Hq, d], k [B, Hkv, T, d], "
-                             f"qring [S, Hq, K, d] ({name} should be {tuple(want)})")
+    check_dims_fit((("q_pre", q_pre, (B, Hq, d)), ("k", k, (B, Hkv, T, d)), ("v", v, (B, Hkv, T, d)),
+                    ("positions", positions, (B,)), ("match_pos", match_pos, (B, Hq)), ("slots", slots, (B,)),
+                    ("qring", qring, (S, Hq, K, d)), ("oring", oring, (S, Hq, K, d)),
+                    ("ring_lse", ring_lse, (S, Hq, K)), ("ring_pos", ring_pos, (S, K))),
+                   " (q [B, Hq, d], k [B, Hkv, T, d], qring [S, Hq, K, d])")
     try:
         hq, hkv = static_dim(Hq, "Hq"), static_dim(Hkv, "Hkv")
     except ValueError:
         hq = hkv = None
     if hq is not None and (hkv < 1 or hq % hkv):
         raise ValueError(f"query heads Hq={hq} must be a multiple of KV heads Hkv={hkv}")
-    for name in ("q", "q_pre", "k", "v", "qring"):
-        dt = dtypes[INPUTS.index(name)]
-        if dt not in _FLOATS:
-            raise TypeError(f"{name} must be float32/float16/bfloat16, got {dt}")
+    check_dtypes(INPUTS, dtypes, _DTYPES)
     if not (dtypes[0] == dtypes[2] == dtypes[3]):
         raise TypeError(f"q, k and v must share a dtype, got {dtypes[0]}, {dtypes[2]}, {dtypes[3]}")
-    for name, want in (("positions", torch.int64), ("match_pos", torch.int64), ("slots", torch.int64),
-                       ("oring", torch.float32), ("ring_lse", torch.float32), ("ring_pos", torch.int64)):
-        if dtypes[INPUTS.index(name)] != want:
-            raise TypeError(f"{name} must be {want}, got {dtypes[INPUTS.index(name)]}")
     out = [OutputSpec((B, Hq, d), dtypes[0], None)]
     for name in ("qring", "oring", "ring_lse", "ring_pos"):
         i = INPUTS.index(name)
@@ -120,42 +111,35 @@ def attend_aot_image(shapes: Sequence[Sequence[Any]], dtypes: Sequence[torch.dty
     return compile_image(attend_kernel_spec(shapes, dtypes, band=band, scale=scale), arch)
 
 
-def register_tensorrt(trtp, to_torch_dtype, to_trt_dtype) -> None:
-    """Register ``mac::attend`` with ``tensorrt.plugin`` (``trtp``): descriptor, JIT impl, AOT impl."""
+def register_tensorrt(binding) -> None:
+    """Register ``mac::attend`` with ``tensorrt.plugin`` through ``binding``
+    (``tensorrt_plugins.PluginBinding``): descriptor (the rings aliased), JIT impl (``MacAttendLauncher``
+    writing TensorRT's ``out`` and the aliased rings in place), AOT impl."""
     from .op import MacAttendLauncher
-    from ..tensorrt_plugins import image_to_tensorrt
 
-    TensorDesc = trtp.TensorDesc
+    trtp = binding.trtp
+    TensorDesc, Tensor = trtp.TensorDesc, trtp.Tensor
+    launch = MacAttendLauncher()
 
     @trtp.register(PLUGIN_ID)
     def _attend_desc(q: TensorDesc, q_pre: TensorDesc, k: TensorDesc, v: TensorDesc, positions: TensorDesc,
                      match_pos: TensorDesc, slots: TensorDesc, qring: TensorDesc, oring: TensorDesc,
                      ring_lse: TensorDesc, ring_pos: TensorDesc, band: int, scale: float
                      ) -> Tuple[TensorDesc, TensorDesc, TensorDesc, TensorDesc, TensorDesc]:
-        ins = (q, q_pre, k, v, positions, match_pos, slots, qring, oring, ring_lse, ring_pos)
-        specs = attend_output_specs([t.shape_expr for t in ins], [to_torch_dtype(t.dtype) for t in ins],
-                                    band=band, scale=scale)
-        return tuple(ins[s.alias_of].aliased() if s.alias_of is not None
-                     else trtp.from_shape_expr(tuple(s.shape), dtype=to_trt_dtype(s.dtype)) for s in specs)
-
-    launch = MacAttendLauncher()
+        return binding.output_descs((q, q_pre, k, v, positions, match_pos, slots, qring, oring, ring_lse, ring_pos),
+                                    attend_output_specs, band=band, scale=scale)
 
     @trtp.impl(PLUGIN_ID)
-    def _attend_impl(q: trtp.Tensor, q_pre: trtp.Tensor, k: trtp.Tensor, v: trtp.Tensor, positions: trtp.Tensor,
-                     match_pos: trtp.Tensor, slots: trtp.Tensor, qring: trtp.Tensor, oring: trtp.Tensor,
-                     ring_lse: trtp.Tensor, ring_pos: trtp.Tensor, band: int, scale: float,
-                     outputs: Tuple[trtp.Tensor], stream: int) -> None:
-        t = [torch.as_tensor(x, device="cuda")
-             for x in (q, q_pre, k, v, positions, match_pos, slots, qring, oring, ring_lse, ring_pos)]
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):   # rings: aliased, written in place
-            launch(*t, band, scale, out=torch.as_tensor(outputs[0], device="cuda"))
+    def _attend_impl(q: Tensor, q_pre: Tensor, k: Tensor, v: Tensor, positions: Tensor, match_pos: Tensor,
+                     slots: Tensor, qring: Tensor, oring: Tensor, ring_lse: Tensor, ring_pos: Tensor, band: int,
+                     scale: float, outputs: Tuple[Tensor], stream: int) -> None:
+        binding.launch(stream, launch, (q, q_pre, k, v, positions, match_pos, slots, qring, oring, ring_lse, ring_pos),
+                       (band, scale), outputs[:1])
 
     @trtp.aot_impl(PLUGIN_ID)
     def _attend_aot(q: TensorDesc, q_pre: TensorDesc, k: TensorDesc, v: TensorDesc, positions: TensorDesc,
                     match_pos: TensorDesc, slots: TensorDesc, qring: TensorDesc, oring: TensorDesc,
                     ring_lse: TensorDesc, ring_pos: TensorDesc, band: int, scale: float,
-                    outputs: Tuple[TensorDesc], tactic: int):
-        ins = (q, q_pre, k, v, positions, match_pos, slots, qring, oring, ring_lse, ring_pos)
-        image = attend_aot_image([t.shape_expr for t in ins], [to_torch_dtype(t.dtype) for t in ins],
-                                 band=band, scale=scale)
-        return image_to_tensorrt(trtp, image)
+                    outputs: Tuple[TensorDesc], tactic: int) -> binding.aot_result:
+        return binding.aot((q, q_pre, k, v, positions, match_pos, slots, qring, oring, ring_lse, ring_pos),
+                           attend_aot_image, band=band, scale=scale)

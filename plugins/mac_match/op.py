@@ -1,5 +1,5 @@
 """CUDA implementation of ``macattn::mac_match`` (registered by
-``macattn.methods.mac.ops.register_cuda_kernels``)."""
+``macattn.methods.mac.ops.register_cuda_kernels``; the JIT impl of the ``mac::match`` plugin)."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +7,7 @@ import torch
 from macattn.core.threshold import match_threshold
 
 from .._triton_util import default_pdl, num_sms
+from ..aot import destination
 from .kernel import check_match_inputs, launch_match, match_meta
 
 __all__ = ["MacMatchLauncher"]
@@ -29,22 +30,24 @@ class MacMatchLauncher:
         return self._scratch[key]
 
     def __call__(self, q_pre: torch.Tensor, qring: torch.Tensor, ring_lse: torch.Tensor, ring_pos: torch.Tensor,
-                 slots: torch.Tensor, positions: torch.Tensor, band: int, tau: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 slots: torch.Tensor, positions: torch.Tensor, band: int, tau: float, *,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Same contract as ``macattn.methods.mac.reference.mac_match_reference``:
-        ``(match_pos [B, Hq] int64, dist [B, Hq] fp32)``.
+        ``(match_pos [B, Hq] int64, dist [B, Hq] fp32)``; ``out``: optional destinations for the two
+        (contiguous; TensorRT's output buffers), returned.
 
         One launch (partials over ring splits; the last program reduces them); no host sync, so it
         can be captured in a CUDA graph. Values of ``slots``/``positions`` are not range-checked.
         """
         check_match_inputs(q_pre, qring, ring_lse, ring_pos, slots, positions)
         B, Hq, d = q_pre.shape
-        meta = match_meta(B, Hq, qring.shape[2], d, num_sms(q_pre.device))
         dev = q_pre.device
-        match_pos = torch.empty(B, Hq, dtype=torch.int64, device=dev)
-        dist = torch.empty(B, Hq, dtype=torch.float32, device=dev)
+        mp_out, dist_out = (None, None) if out is None else out
+        match_pos = destination(mp_out, "out[0] (match_pos)", (B, Hq), torch.int64, dev)
+        dist = destination(dist_out, "out[1] (dist)", (B, Hq), torch.float32, dev)
         if B == 0:
             return match_pos, dist
+        meta = match_meta(B, Hq, qring.shape[2], d, num_sms(dev))
         part_d2, part_pos, part_lse, counter = self._buffers(dev, B * Hq * meta.NS)
         launch_match(q_pre, qring, ring_pos, ring_lse, slots, positions, meta=meta, part_d2=part_d2,
                      part_pos=part_pos, part_lse=part_lse, counter=counter, match_pos=match_pos, dist=dist,

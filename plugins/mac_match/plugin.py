@@ -16,21 +16,21 @@ import torch
 
 from macattn.core.threshold import match_threshold
 
-from ..aot import (AotImage, KernelSpec, check_input_ranks, compile_image, pow2_head_dim, same_dim, static_dim,
-                   triton_ptr_type)
+from ..aot import (FLOATS, AotImage, KernelSpec, check_dims_fit, check_dtypes, check_input_ranks, check_int_attrs,
+                   compile_image, pow2_head_dim, static_dim, triton_ptr_type)
 
 __all__ = ["PLUGIN_ID", "INPUTS", "OUTPUTS", "match_output_specs", "match_kernel_spec", "match_aot_image", "register_tensorrt"]
 
 PLUGIN_ID = "mac::match"
 INPUTS = ("q_pre", "qring", "ring_lse", "ring_pos", "slots", "positions")
 OUTPUTS = ("match_pos", "dist")
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _RANKS = (3, 4, 3, 2, 1, 1)
+_DTYPES = {"q_pre": FLOATS, "qring": FLOATS, "ring_lse": (torch.float32,),
+           **dict.fromkeys(("ring_pos", "slots", "positions"), (torch.int64,))}
 
 
 def _check_attrs(band: int, tau: float) -> None:
-    if isinstance(band, bool) or not isinstance(band, numbers.Integral) or band < 0:
-        raise ValueError(f"band must be an int >= 0, got {band!r}")
+    check_int_attrs(band=band)
     if not (isinstance(tau, numbers.Real) and 0.0 <= float(tau) < 1.0):
         raise ValueError(f"tau must be a float in [0, 1), got {tau!r}")
 
@@ -47,17 +47,9 @@ def match_output_specs(shapes: Sequence[Sequence[Any]], dtypes: Sequence[torch.d
     q_pre, qring, ring_lse, ring_pos, slots, positions = shapes
     B, Hq, d = q_pre
     S, K = qring[0], qring[2]
-    checks = (("qring", qring, (S, Hq, K, d)), ("ring_lse", ring_lse, (S, Hq, K)), ("ring_pos", ring_pos, (S, K)),
-              ("slots", slots, (B,)), ("positions", positions, (B,)))
-    for name, got, want in checks:
-        if not all(same_dim(a, b) for a, b in zip(got, want)):
-            raise ValueError(f"{name} shape {tuple(got)} does not fit q_pre [B, Hq, d] / qring [S, Hq, K, d]")
-    for name, dt in zip(INPUTS[:2], dtypes[:2]):
-        if dt not in _FLOATS:
-            raise TypeError(f"{name} must be float32/float16/bfloat16, got {dt}")
-    for name, dt, want in zip(INPUTS[2:], dtypes[2:], (torch.float32, torch.int64, torch.int64, torch.int64)):
-        if dt != want:
-            raise TypeError(f"{name} must be {want}, got {dt}")
+    check_dims_fit((("qring", qring, (S, Hq, K, d)), ("ring_lse", ring_lse, (S, Hq, K)), ("ring_pos", ring_pos, (S, K)),
+                    ("slots", slots, (B,)), ("positions", positions, (B,))), " (q_pre [B, Hq, d], qring [S, Hq, K, d])")
+    check_dtypes(INPUTS, dtypes, _DTYPES)
     return [((B, Hq), torch.int64), ((B, Hq), torch.float32)]
 
 
@@ -90,41 +82,29 @@ def match_aot_image(shapes: Sequence[Sequence[Any]], dtypes: Sequence[torch.dtyp
     return compile_image(match_kernel_spec(shapes, dtypes, band=band, tau=tau), arch)
 
 
-def register_tensorrt(trtp, to_torch_dtype, to_trt_dtype) -> None:
-    """Register ``mac::match`` with ``tensorrt.plugin`` (``trtp``): descriptor, JIT impl, AOT impl."""
+def register_tensorrt(binding) -> None:
+    """Register ``mac::match`` with ``tensorrt.plugin`` through ``binding``
+    (``tensorrt_plugins.PluginBinding``): descriptor, JIT impl (``MacMatchLauncher`` writing TensorRT's
+    outputs), AOT impl."""
     from .op import MacMatchLauncher
 
-    TensorDesc = trtp.TensorDesc
+    trtp = binding.trtp
+    TensorDesc, Tensor = trtp.TensorDesc, trtp.Tensor
+    launch = MacMatchLauncher()
 
     @trtp.register(PLUGIN_ID)
     def _match_desc(q_pre: TensorDesc, qring: TensorDesc, ring_lse: TensorDesc, ring_pos: TensorDesc,
-                    slots: TensorDesc, positions: TensorDesc, band: int, tau: float
-                    ) -> Tuple[TensorDesc, TensorDesc]:
-        ins = (q_pre, qring, ring_lse, ring_pos, slots, positions)
-        specs = match_output_specs([t.shape_expr for t in ins], [to_torch_dtype(t.dtype) for t in ins],
-                                   band=band, tau=tau)
-        return tuple(trtp.from_shape_expr(tuple(shape), dtype=to_trt_dtype(dt)) for shape, dt in specs)
-
-    launch = MacMatchLauncher()
+                    slots: TensorDesc, positions: TensorDesc, band: int, tau: float) -> Tuple[TensorDesc, TensorDesc]:
+        return binding.output_descs((q_pre, qring, ring_lse, ring_pos, slots, positions), match_output_specs,
+                                    band=band, tau=tau)
 
     @trtp.impl(PLUGIN_ID)
-    def _match_impl(q_pre: trtp.Tensor, qring: trtp.Tensor, ring_lse: trtp.Tensor, ring_pos: trtp.Tensor,
-                    slots: trtp.Tensor, positions: trtp.Tensor, band: int, tau: float,
-                    outputs: Tuple[trtp.Tensor], stream: int) -> None:
-        t = [torch.as_tensor(x, device="cuda") for x in (q_pre, qring, ring_lse, ring_pos, slots, positions)]
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            match_pos, dist = launch(*t, band, tau)
-            torch.as_tensor(outputs[0], device="cuda").copy_(match_pos)
-            torch.as_tensor(outputs[1], device="cuda").copy_(dist)
+    def _match_impl(q_pre: Tensor, qring: Tensor, ring_lse: Tensor, ring_pos: Tensor, slots: Tensor,
+                    positions: Tensor, band: int, tau: float, outputs: Tuple[Tensor], stream: int) -> None:
+        binding.launch(stream, launch, (q_pre, qring, ring_lse, ring_pos, slots, positions), (band, tau), outputs)
 
     @trtp.aot_impl(PLUGIN_ID)
     def _match_aot(q_pre: TensorDesc, qring: TensorDesc, ring_lse: TensorDesc, ring_pos: TensorDesc,
-                   slots: TensorDesc, positions: TensorDesc, band: int, tau: float,
-                   outputs: Tuple[TensorDesc], tactic: int):
-        ins = (q_pre, qring, ring_lse, ring_pos, slots, positions)
-        image = match_aot_image([t.shape_expr for t in ins], [to_torch_dtype(t.dtype) for t in ins],
-                                band=band, tau=tau)
-        from ..tensorrt_plugins import image_to_tensorrt
-
-        return image_to_tensorrt(trtp, image)
-
+                   slots: TensorDesc, positions: TensorDesc, band: int, tau: float, outputs: Tuple[TensorDesc],
+                   tactic: int) -> binding.aot_result:
+        return binding.aot((q_pre, qring, ring_lse, ring_pos, slots, positions), match_aot_image, band=band, tau=tau)

@@ -1,5 +1,6 @@
 """CUDA implementations of ``macattn::completion_cache`` and ``macattn::retrieval_completion``
-(registered by ``macattn.methods.completion.ops.register_cuda_kernels``); contract in ``checks.py``.
+(registered by ``macattn.methods.completion.ops.register_cuda_kernels``; the JIT impls of the
+``mac::retrieval_completion`` / ``mac::completion_cache`` plugins); contract in ``checks.py``.
 
 A decode step is four launches and no host sync (CUDA-graph capturable): ``_mid_logits``,
 ``torch.topk`` over them (``k = min(top_k, T)``, one row per query head), ``_decode_partial``
@@ -11,10 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from macattn.plugins.retrieval_completion.checks import (check_completion_cache_inputs,
-                                                        check_retrieval_completion_inputs, resolve_scale)
-
 from .._triton_util import interpreting, num_sms
+from ..aot import destination
+from .checks import check_completion_cache_inputs, check_retrieval_completion_inputs, resolve_scale
 from .kernel import _completion_cache, _decode_merge, _decode_partial, _mid_logits
 
 __all__ = ["completion_cache_triton", "retrieval_completion_triton", "mid_topk_triton"]
@@ -41,15 +41,19 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def completion_cache_triton(log_phi_k, v_cache, n_prefill, n_sink: int, n_tail: int):
-    """Same contract as ``macattn.methods.completion.ops.completion_cache``; one launch, grid ``(B, Hkv)``."""
+def completion_cache_triton(log_phi_k, v_cache, n_prefill, n_sink: int, n_tail: int, *,
+                            out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """Same contract as ``macattn.methods.completion.ops.completion_cache``: fp32 ``(comp_A [B, Hkv, F, d],
+    comp_b [B, Hkv, F], comp_shift [B, Hkv, F])``; one launch, grid ``(B, Hkv)``. ``out``: optional
+    contiguous destinations for the three (TensorRT's output buffers), returned."""
     check_completion_cache_inputs(log_phi_k, v_cache, n_prefill, n_sink, n_tail)
     B, H, T, F = log_phi_k.shape
     d = v_cache.shape[3]
     dev = v_cache.device
-    a = _alloc(B, H, F, d, dtype=torch.float32, device=dev)
-    b = _alloc(B, H, F, dtype=torch.float32, device=dev)
-    shift = _alloc(B, H, F, dtype=torch.float32, device=dev)
+    a_out, b_out, shift_out = (None, None, None) if out is None else out
+    a = destination(a_out, "out[0] (comp_A)", (B, H, F, d), torch.float32, dev, _alloc)
+    b = destination(b_out, "out[1] (comp_b)", (B, H, F), torch.float32, dev, _alloc)
+    shift = destination(shift_out, "out[2] (comp_shift)", (B, H, F), torch.float32, dev, _alloc)
     if B * H == 0:
         return a, b, shift
     lpk = _unit_last_stride(log_phi_k)
@@ -79,8 +83,10 @@ def mid_topk_triton(q, k_cache, n_prefill, n_sink: int, n_tail: int, top_k: int,
 
 
 def retrieval_completion_triton(q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A, comp_b,
-                                comp_shift, n_sink: int, n_tail: int, top_k: int, scale: float):
-    """Same contract as ``macattn.methods.completion.ops.retrieval_completion``: ``out [B, Hq, d]`` in q's dtype."""
+                                comp_shift, n_sink: int, n_tail: int, top_k: int, scale: float, *,
+                                out: torch.Tensor | None = None):
+    """Same contract as ``macattn.methods.completion.ops.retrieval_completion``: ``out [B, Hq, d]`` in q's dtype.
+    ``out``: optional contiguous destination (TensorRT's output buffer), returned."""
     check_retrieval_completion_inputs(q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A,
                                       comp_b, comp_shift, n_sink, n_tail, top_k, scale)
     B, Hq, d = q.shape
@@ -89,7 +95,7 @@ def retrieval_completion_triton(q, k_cache, v_cache, seq_lens, n_prefill, log_ph
     group = Hq // Hkv
     scale = resolve_scale(scale, d)
     dev = q.device
-    out = _alloc(B, Hq, d, dtype=q.dtype, device=dev)
+    out = destination(out, "out", (B, Hq, d), q.dtype, dev, _alloc)
     if B == 0:
         return out
     k = _unit_last_stride(k_cache)

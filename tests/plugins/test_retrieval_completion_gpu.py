@@ -51,20 +51,27 @@ def _poison(monkeypatch):
     monkeypatch.setattr(op, "_alloc", nan_empty)
 
 
+def _cuda_op(name: str):
+    """``torch.ops.macattn.<name>`` with the Triton launchers registered as its CUDA kernel."""
+    from macattn.methods.kernels import register_kernels
+    assert f"macattn::{name}" in register_kernels()
+    return getattr(torch.ops.macattn, name)
+
+
 def _step(*args):
     """The decode step through the op's CUDA dispatch (the Triton launcher); the launcher itself
     under the interpreter (CPU tensors would dispatch to the reference)."""
     if INTERPRET:
         from macattn.plugins.retrieval_completion.op import retrieval_completion_triton
         return retrieval_completion_triton(*args)
-    return torch.ops.macattn.retrieval_completion(*args)
+    return _cuda_op("retrieval_completion")(*args)
 
 
 def _cache(*args):
     if INTERPRET:
         from macattn.plugins.retrieval_completion.op import completion_cache_triton
         return completion_cache_triton(*args)
-    return torch.ops.macattn.completion_cache(*args)
+    return _cuda_op("completion_cache")(*args)
 
 
 def _case(case, dtype, seed):

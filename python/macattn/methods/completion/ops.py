@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from macattn.plugins.retrieval_completion.checks import (REFERENCE_FLOATS,
-                                                        check_completion_cache_inputs,
-                                                        check_retrieval_completion_inputs, resolve_scale)
 from macattn.methods.completion.reference import build_completion_cache_batched, retrieval_completion_step
+from macattn.plugins import HAVE_TRITON
+from macattn.plugins.retrieval_completion.checks import (REFERENCE_FLOATS, check_completion_cache_inputs,
+                                                        check_retrieval_completion_inputs, resolve_scale)
 
 __all__ = ["retrieval_completion", "completion_cache", "register_cuda_kernels"]
+
 
 @torch.library.custom_op("macattn::completion_cache", mutates_args=())
 def completion_cache(log_phi_k: torch.Tensor, v_cache: torch.Tensor, n_prefill: torch.Tensor, n_sink: int,
@@ -73,10 +74,14 @@ def _(q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A, co
     return torch.empty_like(q)
 
 
-def register_cuda_kernels() -> None:
-    """The Triton launchers as the CUDA kernels of both ops (idempotent; needs triton)."""
-    from macattn.methods.kernels import register_cuda_kernel
+def register_cuda_kernels() -> tuple[str, ...]:
+    """Register the Triton launchers as the CUDA kernels of ``completion_cache`` / ``retrieval_completion``
+    (idempotent; through ``macattn.methods.kernels.register_kernels``). Returns the op names; ``()``
+    without triton."""
+    if not HAVE_TRITON:
+        return ()
+    from macattn.methods.kernels import register_cuda_launchers
     from macattn.plugins.retrieval_completion.op import completion_cache_triton, retrieval_completion_triton
 
-    register_cuda_kernel("macattn::completion_cache", lambda: completion_cache_triton)
-    register_cuda_kernel("macattn::retrieval_completion", lambda: retrieval_completion_triton)
+    return register_cuda_launchers({"macattn::completion_cache": lambda: completion_cache_triton,
+                                    "macattn::retrieval_completion": lambda: retrieval_completion_triton})

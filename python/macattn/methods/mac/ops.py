@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from macattn.methods.mac.reference import mac_attend_reference, mac_match_reference, ring_append_reference
+from macattn.plugins import HAVE_TRITON
 
 __all__ = ["mac_match", "mac_attend", "register_cuda_kernels"]
 
@@ -50,12 +51,14 @@ def _(q, q_pre, k, v, positions, match_pos, slots, qring, oring, ring_lse, ring_
     return torch.empty_like(q)
 
 
-def register_cuda_kernels() -> None:
-    """The Triton launchers as the CUDA kernels of ``mac_match`` / ``mac_attend`` (idempotent;
-    needs triton; called by ``macattn.methods.kernels.register_kernels``)."""
-    from macattn.methods.kernels import register_cuda_kernel
+def register_cuda_kernels() -> tuple[str, ...]:
+    """Register a ``MacMatchLauncher`` / ``MacAttendLauncher`` as the CUDA kernels of ``mac_match`` /
+    ``mac_attend`` (idempotent; through ``macattn.methods.kernels.register_kernels``). Returns the op
+    names; ``()`` without triton."""
+    if not HAVE_TRITON:
+        return ()
+    from macattn.methods.kernels import register_cuda_launchers
     from macattn.plugins.mac_attend.op import MacAttendLauncher
     from macattn.plugins.mac_match.op import MacMatchLauncher
 
-    register_cuda_kernel("macattn::mac_match", MacMatchLauncher)
-    register_cuda_kernel("macattn::mac_attend", MacAttendLauncher)
+    return register_cuda_launchers({"macattn::mac_match": MacMatchLauncher, "macattn::mac_attend": MacAttendLauncher})

@@ -15,9 +15,11 @@ from __future__ import annotations
 import torch
 
 from macattn.methods.mka.reference import route_fused_decode_reference
+from macattn.plugins import HAVE_TRITON
 from macattn.plugins.route_fused.checks import check_route_fused_inputs
 
 __all__ = ["route_fused_attention", "register_cuda_kernels"]
+
 
 @torch.library.custom_op("macattn::route_fused_attention", mutates_args=("state_mean", "state_count"))
 def route_fused_attention(x: torch.Tensor, q: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
@@ -44,9 +46,12 @@ def _(x, q, w1, b1, w2, b2, gate, state_mean, state_count, slots, wk, bk, wv, bv
             x.new_empty((B, 3), dtype=torch.float32))
 
 
-def register_cuda_kernels() -> None:
-    """The Triton launcher as the CUDA kernel of ``route_fused_attention`` (idempotent; needs triton)."""
-    from macattn.methods.kernels import register_cuda_kernel
+def register_cuda_kernels() -> tuple[str, ...]:
+    """Register the Triton launcher as the CUDA kernel of ``route_fused_attention`` (idempotent; through
+    ``macattn.methods.kernels.register_kernels``). Returns the op name; ``()`` without triton."""
+    if not HAVE_TRITON:
+        return ()
+    from macattn.methods.kernels import register_cuda_launchers
     from macattn.plugins.route_fused.op import route_fused_attention_triton
 
-    register_cuda_kernel("macattn::route_fused_attention", lambda: route_fused_attention_triton)
+    return register_cuda_launchers({"macattn::route_fused_attention": lambda: route_fused_attention_triton})
