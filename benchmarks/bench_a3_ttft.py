@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import LLAMA_8B, TINY  # noqa: E402
+from eval_a3 import add_prompt_args, parse_rhos  # noqa: E402
 
 from macattn.methods.a3.config import A3Config
 from macattn.runtime.a3_assembly import RagPrompt, fuse_prefix, prefill_question  # noqa: E402
@@ -44,11 +45,8 @@ def build(shapes, dtype, device):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--chunks", type=int, default=8)
-    ap.add_argument("--chunk-tokens", type=int, default=2048)
-    ap.add_argument("--system-tokens", type=int, default=32)
-    ap.add_argument("--question-tokens", type=int, default=64)
-    ap.add_argument("--rhos", default="0.1,0.2")
+    add_prompt_args(ap, chunks=8, chunk_tokens=2048, lengths={"--system-tokens": 32, "--question-tokens": 64},
+                    rhos="0.1,0.2")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--store-dir", default=None, help="default: a fresh temporary directory")
@@ -100,7 +98,7 @@ def main(argv=None):
         torch.cuda.synchronize()
         return start.elapsed_time(end)
 
-    rhos = [float(x) for x in args.rhos.split(",")]
+    rhos = parse_rhos(args.rhos)
     configs = [A3Config(method="full_recompute")] + [A3Config(rho=x, method="a3") for x in rhos]
     configs += [A3Config(rho=rhos[0], method="cacheblend"), A3Config(rho=rhos[0], method="sink"),
                 A3Config(method="full_reuse")]

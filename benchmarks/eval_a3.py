@@ -41,6 +41,23 @@ NAMES = ["Abigail", "Barnabas", "Cornelius", "Delilah", "Ezekiel", "Felix", "Gid
          "Keturah", "Lydia", "Mordecai", "Naomi", "Obadiah", "Phoebe"]
 
 
+def add_prompt_args(ap: argparse.ArgumentParser, *, chunks: int, chunk_tokens: int, lengths: dict[str, int],
+                    rhos: str) -> None:
+    """Add the RAG-prompt flags of the A3 scripts (this one, ``bench_a3_ttft.py``): ``--chunks``,
+    ``--chunk-tokens``, one int flag per item of ``lengths`` (flag -> default, in order), then
+    ``--rhos`` (comma-separated recompute ratios, read by ``parse_rhos``)."""
+    ap.add_argument("--chunks", type=int, default=chunks)
+    ap.add_argument("--chunk-tokens", type=int, default=chunk_tokens)
+    for flag, default in lengths.items():
+        ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--rhos", default=rhos)
+
+
+def parse_rhos(spec: str) -> list[float]:
+    """``"0.1,0.2"`` -> ``[0.1, 0.2]``."""
+    return [float(r) for r in spec.split(",")]
+
+
 def load_model(model_dir):
     from macattn.models.checkpoint import builtin_checkpoint_available, load_builtin_checkpoint
 
@@ -99,10 +116,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--chunks", type=int, default=6)
-    ap.add_argument("--chunk-tokens", type=int, default=128)
-    ap.add_argument("--answer-tokens", type=int, default=8)
-    ap.add_argument("--rhos", default="0.1,0.2,0.4")
+    add_prompt_args(ap, chunks=6, chunk_tokens=128, lengths={"--answer-tokens": 8}, rhos="0.1,0.2,0.4")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadiest timings on a shared machine)")
     ap.add_argument("--out", default="benchmarks/results/eval_a3_cpu.json")
@@ -111,7 +125,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     model, tok, model_name = load_model(args.model_dir)
     prompts = make_prompts(tok, model.config.vocab_size, args.prompts, args.chunks, args.chunk_tokens, args.seed)
-    rhos = [float(r) for r in args.rhos.split(",")]
+    rhos = parse_rhos(args.rhos)
     configs = [A3Config(method="full_recompute"), A3Config(method="full_reuse")]
     configs += [A3Config(rho=r, method=m) for m in ("a3", "cacheblend", "sink") for r in rhos]
 

@@ -162,28 +162,34 @@ def _translate(program, path: Path, names: tuple[list[str], list[str]], kind: st
                       {imp.domain or "ai.onnx": imp.version for imp in proto.opset_import})
 
 
+def _export_step(module: torch.nn.Module, args: tuple, kind: str, path: str | Path) -> OnnxExport:
+    """Write the ``kind`` ("decode" | "prefill") step ``module`` (in eval mode) to ``path`` as ONNX:
+    ``torch.export`` on its example ``args`` (no grad, non-strict, that kind's dynamic shapes), for
+    decode the in-place ``mac_attend`` calls made functional, then ``_translate``."""
+    N = module.num_layers
+    dynamic, names = {"decode": (_decode_dynamic, decode_io_names),
+                      "prefill": (_prefill_dynamic, prefill_io_names)}[kind]
+    with torch.no_grad():
+        ep = torch.export.export(module, args, dynamic_shapes=dynamic(N), strict=False)
+    if kind == "decode" and replace_inplace_attend(ep) == 0:     # already functional (auto_functionalized) programs
+        replace_auto_functionalized(ep)
+    return _translate(ep, Path(path), names(N), kind)
+
+
 def export_decode_onnx(model, path: str | Path, *, batch: int = 2, context: int = 5,
                        num_slots: int = 3) -> OnnxExport:
     """Write the decode step of patched ``model`` to ``path``; see the module docstring."""
     module = DecodeStepModule(model).eval()
-    args = example_decode_inputs(model, batch=batch, context=context, num_slots=num_slots)
-    N = model.config.num_hidden_layers
-    with torch.no_grad():
-        ep = torch.export.export(module, args, dynamic_shapes=_decode_dynamic(N), strict=False)
-    if replace_inplace_attend(ep) == 0:     # already functional (auto_functionalized) programs
-        replace_auto_functionalized(ep)
-    return _translate(ep, Path(path), decode_io_names(N), "decode")
+    return _export_step(module, example_decode_inputs(model, batch=batch, context=context, num_slots=num_slots),
+                        "decode", path)
 
 
 def export_prefill_onnx(model, path: str | Path, *, batch: int = 2, prompt: int = 7,
                         num_slots: int = 3) -> OnnxExport:
     """Write the prefill of patched ``model`` to ``path``; see the module docstring."""
     module = PrefillStepModule(model).eval()
-    args = example_prefill_inputs(model, batch=batch, prompt=prompt, num_slots=num_slots)
-    N = model.config.num_hidden_layers
-    with torch.no_grad():
-        ep = torch.export.export(module, args, dynamic_shapes=_prefill_dynamic(N), strict=False)
-    return _translate(ep, Path(path), prefill_io_names(N), "prefill")
+    return _export_step(module, example_prefill_inputs(model, batch=batch, prompt=prompt, num_slots=num_slots),
+                        "prefill", path)
 
 
 def count_custom_nodes(model: onnx.ModelProto) -> dict[str, int]:

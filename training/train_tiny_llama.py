@@ -17,29 +17,27 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import math
 import platform
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from macattn.apps.trainer_common import optimizer_step, random_windows, token_cross_entropy, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_tasks():
-    spec = importlib.util.spec_from_file_location("_tasks", ROOT / "python/macattn/evaluation/tasks.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["_tasks"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    """The synthetic-task module ``macattn.evaluation.tasks`` (pure standard library)."""
+    from macattn.evaluation import tasks
+
+    return tasks
 
 
 @dataclass(frozen=True)
@@ -161,14 +159,12 @@ def answer_accuracy(model, tasks, lexicon, val, bos, length, n, device, dtype, s
 @torch.no_grad()
 def heldout_loss(model, val: torch.Tensor, seq_len: int, n: int, device, dtype, seed: int = 4321) -> float:
     """Mean next-token NLL over ``n`` random ``seq_len`` windows of the held-out shard."""
-    g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, max(1, len(val) - seq_len - 1), (n,), generator=g)
     total = 0.0
-    for s in starts.tolist():
-        ids = val[s:s + seq_len + 1].unsqueeze(0).to(device)
+    for window in random_windows(val, n, seq_len + 1, torch.Generator().manual_seed(seed)):
+        ids = window.unsqueeze(0).to(device)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             logits = model(ids[:, :-1]).logits
-        total += float(F.cross_entropy(logits.float()[0], ids[0, 1:]))
+        total += float(token_cross_entropy(logits.float()[0], ids[0, 1:]))
     return total / n
 
 
@@ -285,13 +281,9 @@ def main(argv=None) -> dict:
         ids, w = batcher.batch(b, t, device)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             logits = fwd(ids[:, :-1]).logits
-        nll = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1),
-                              reduction="none")
+        nll = token_cross_entropy(logits.float(), ids[:, 1:], reduction="none")
         loss = (nll * w.reshape(-1)).sum() / w.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        gnorm = optimizer_step(opt, loss, clip=model.parameters(), max_norm=1.0)
         step += 1
         tokens += b * t
         if step % 10 == 1 or a.max_steps:
@@ -315,8 +307,7 @@ def main(argv=None) -> dict:
         tokens_per_second=round(tokens / max(train_s, 1e-9)), total_seconds=round(time.time() - t0, 1),
         args=vars(a), phases=phases, heldout_loss_1024=round(val_loss, 4), answer_accuracy_teacher_forced={"length": a.eval_len, "n": a.eval_n, **acc},
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        versions=dict(torch=torch.__version__, python=platform.python_version(),
-                      cuda=torch.version.cuda, triton=_version("triton")),
+        versions=versions(cuda=torch.version.cuda, triton=_version("triton")),
         data_manifest=json.loads((data_dir / "manifest.json").read_text()) if (data_dir / "manifest.json").exists() else None,
         loss_curve=log)
     (out / "train_log.json").write_text(json.dumps(result, indent=1))

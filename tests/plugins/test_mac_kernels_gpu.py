@@ -81,46 +81,35 @@ def _gen():
     return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
 
 
+def _mixed_problem(B: int, hq: int, hkv: int, d: int, positions=None) -> Problem:
+    """A fresh random ``Problem`` on ``DEVICE`` (``SMALL`` window/band, tau 0.45) of ``B`` rows at
+    ``positions`` (default ``CTX[:B]``) whose heads mix hits and misses (``_mixed_kinds``)."""
+    g = _gen()
+    return Problem(B=B, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=CTX[:B] if positions is None else positions,
+                   kinds=_mixed_kinds(B, hq, hkv, g), gen=g, **SMALL).to(DEVICE)
+
+
 @pytest.mark.parametrize("hq,hkv,d", GQA)
 def test_fused_step_mixed_hits_contiguous(hq, hkv, d):
-    g = _gen()
-    B = 3
-    pr = Problem(B=B, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=CTX[:B], kinds=_mixed_kinds(B, hq, hkv, g),
-                 gen=g, **SMALL).to(DEVICE)
-    _, mp = _run_fused(pr)
+    _, mp = _run_fused(_mixed_problem(3, hq, hkv, d))
     assert bool((mp >= 0).any()) and bool((mp < 0).any())
 
 
 @pytest.mark.parametrize("page_size", [16, 32, 64])
 def test_fused_step_paged(page_size):
-    g = _gen()
-    hq, hkv, d = GQA[0]
-    B = 4
-    pr = Problem(B=B, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=CTX[:B], kinds=_mixed_kinds(B, hq, hkv, g),
-                 gen=g, **SMALL).to(DEVICE)
-    _run_fused(pr, page_size=page_size)
+    _run_fused(_mixed_problem(4, *GQA[0]), page_size=page_size)
 
 
 @pytest.mark.parametrize("b_items", [None, 1, 3])
 def test_fused_step_part_b_starts_before_plan(b_items):
     """``early_b``: the attention kernel's part-B items run while the plan still runs (PDL)."""
-    g = _gen()
-    hq, hkv, d = GQA[0]
-    B = 4
-    pr = Problem(B=B, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=CTX[:B], kinds=_mixed_kinds(B, hq, hkv, g),
-                 gen=g, **SMALL).to(DEVICE)
-    _run_fused(pr, page_size=16, early_b=True, b_items=b_items)
+    _run_fused(_mixed_problem(4, *GQA[0]), page_size=16, early_b=True, b_items=b_items)
 
 
 def test_fused_step_large_batch():
     """Enough KV groups to cover the SMs (B * Hkv >= 132 on the H100): the large-batch defaults."""
-    g = _gen()
-    hq, hkv, d = GQA[0]
     B = 4 if INTERPRET else 20
-    positions = [CTX[i % len(CTX)] + 17 * i for i in range(B)]
-    pr = Problem(B=B, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=positions, kinds=_mixed_kinds(B, hq, hkv, g),
-                 gen=g, **SMALL).to(DEVICE)
-    _run_fused(pr, page_size=16)
+    _run_fused(_mixed_problem(B, *GQA[0], positions=[CTX[i % len(CTX)] + 17 * i for i in range(B)]), page_size=16)
 
 
 def test_all_hit_and_wraparound():
@@ -193,10 +182,7 @@ def test_ops_registered_cuda_kernels(hq, hkv, d):
     """``torch.ops.macattn.mac_match`` / ``mac_attend`` dispatch to the Triton kernels on CUDA."""
     from macattn.methods.kernels import register_kernels, registered_kernels
     assert {"macattn::mac_match", "macattn::mac_attend"} <= set(register_kernels())
-    g = _gen()
-    B = 3
-    pr = Problem(B=B, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=CTX[:B], kinds=_mixed_kinds(B, hq, hkv, g),
-                 gen=g, **SMALL).to(DEVICE)
+    pr = _mixed_problem(3, hq, hkv, d)
     if INTERPRET:   # the ops dispatch on device type; call the registered implementations directly
         match, attend = (registered_kernels()[f"macattn::{n}"] for n in ("mac_match", "mac_attend"))
     else:

@@ -42,7 +42,9 @@ from pathlib import Path
 
 import torch
 
-from macattn.apps.trainer_common import latest_checkpoint, load_checkpoint, save_checkpoint
+from macattn.apps.trainer_common import (add_trainer_args, freeze, load_checkpoint, optimizer_step, random_windows,
+                                         resume_step, run_fields, save_checkpoint, save_due, step_bar,
+                                         step_generator, write_report)
 from macattn.core.validation import check_float, check_int
 
 from macattn.models.attention import capture_qkv
@@ -183,11 +185,8 @@ def calibrate_mass(model, tokens: torch.Tensor, cfg: DistillConfig, maps: Comple
 
 
 def _windows(tokens: torch.Tensor, cfg: DistillConfig, step: int) -> torch.Tensor:
-    if tokens.numel() <= cfg.seq_len:
-        raise ValueError(f"seq_len must be < corpus length {tokens.numel()}, got {cfg.seq_len}")
-    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-    start = torch.randint(0, tokens.numel() - cfg.seq_len, (cfg.batch,), generator=g)
-    return torch.stack([tokens[s:s + cfg.seq_len] for s in start.tolist()])
+    """The ``[batch, seq_len]`` int64 windows of training step ``step`` (a function of ``(seed, step)``)."""
+    return random_windows(tokens, cfg.batch, cfg.seq_len, step_generator(cfg.seed, step))
 
 
 def distill(model, tokens: torch.Tensor, cfg: DistillConfig, maps: CompletionFeatureMaps, out: str | os.PathLike,
@@ -197,25 +196,19 @@ def distill(model, tokens: torch.Tensor, cfg: DistillConfig, maps: CompletionFea
     Writes checkpoints and the final maps under ``out``; returns a report dict with the loss
     curve (``losses``) and its parts at the first and last step.
     """
-    from tqdm import tqdm
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    model = model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model = freeze(model)
     hf = model.config
     if maps.spec.num_layers != hf.num_hidden_layers or maps.spec.num_q_heads != hf.num_attention_heads:
         raise ValueError(f"maps are for {maps.spec.num_layers} layers x {maps.spec.num_q_heads} heads, model has "
                          f"{hf.num_hidden_layers} x {hf.num_attention_heads}")
     opt = torch.optim.AdamW(maps.parameters(), lr=cfg.lr, weight_decay=0.0)
-    step = 0
-    if resume and (ck := latest_checkpoint(out)) is not None:
-        step = _load(ck, maps, opt)
+    step = resume_step(out, resume, lambda ck: _load(ck, maps, opt))
     meta = {"distill": asdict(cfg), "loss": asdict(loss_cfg), "maps": asdict(maps.spec)}
     losses, parts_log = [], []
     t0 = time.time()
-    bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, disable=not progress, desc="distill-completion")
+    bar = step_bar(step, cfg.steps, desc="distill-completion", progress=progress)
     dev = next(model.parameters()).device
     for s in bar:
         qkv = capture_qkv(model, _windows(tokens, cfg, s).to(dev))
@@ -226,13 +219,11 @@ def distill(model, tokens: torch.Tensor, cfg: DistillConfig, maps: CompletionFea
             total = total + loss / len(qkv)
             for key, val in parts.items():
                 acc[key] = acc.get(key, 0.0) + float(val.detach()) / len(qkv)
-        opt.zero_grad(set_to_none=True)
-        total.backward()
-        opt.step()
+        optimizer_step(opt, total)
         losses.append(float(total.detach()))
         parts_log.append(acc)
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
-        if (s + 1) % cfg.save_every == 0 or s + 1 == cfg.steps:
+        if save_due(s + 1, cfg):
             _save(out, s + 1, maps, opt, meta)
     calib = calibrate_mass(model, tokens, cfg, maps).tolist() if cfg.calibrate_windows else None
     save_feature_maps(maps, out)
@@ -270,8 +261,7 @@ def maps_for_model(model, *, feature_dim: int, hidden: int, seed: int = 0) -> Co
 
 
 def _cmd(args) -> int:
-    cfg = DistillConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, n_queries=args.n_queries,
-                        n_sink=args.n_sink, n_tail=args.n_tail, lr=args.lr, save_every=args.save_every, seed=args.seed)
+    cfg = DistillConfig(**run_fields(args), n_queries=args.n_queries, n_sink=args.n_sink, n_tail=args.n_tail)
     loss_cfg = LossConfig(temperature=args.temperature)
     torch.manual_seed(args.seed)
     model, tokens = load_model_and_tokens(family=args.model, model_dir=args.model_dir, corpus=args.corpus,
@@ -284,9 +274,7 @@ def _cmd(args) -> int:
     print(json.dumps({"loss_first": report["losses"][0] if report["losses"] else None,
                       "loss_last": report["losses"][-1] if report["losses"] else None,
                       "maps": str(Path(args.out) / "feature_maps.safetensors")}, indent=1))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    write_report(args.json, report)
     return 0
 
 
@@ -294,24 +282,16 @@ def register(sub) -> None:
     """Add ``distill-completion`` to the argparse subparsers ``sub``."""
     p = sub.add_parser("distill-completion",
                        help="train the retrieval-completion feature maps (phi_q, phi_k) by distillation")
-    p.add_argument("--model", choices=("llama", "qwen2", "mistral"), default="llama", help="built-in model family")
-    p.add_argument("--model-dir", default=None, help="trained checkpoint dir (e.g. macattn/data/tiny_llama)")
-    p.add_argument("--corpus", default=None, help="UTF-8 text file (default: Python stdlib docstrings)")
-    p.add_argument("--out", required=True, help="checkpoint / output directory")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--n-queries", type=int, default=16, help="decode queries per window (its last positions)")
-    p.add_argument("--n-sink", type=int, default=16)
-    p.add_argument("--n-tail", type=int, default=64)
-    p.add_argument("--features", type=int, default=64, help="feature dimension F")
-    p.add_argument("--hidden", type=int, default=128, help="ReZero block inner width")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--temperature", type=float, default=2.0)
-    p.add_argument("--save-every", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="torch device of the model and the maps (e.g. cuda)")
-    p.add_argument("--json", default=None, help="write the report here")
-    p.add_argument("--no-progress", action="store_true")
+    cfg = DistillConfig()
+    add_trainer_args(
+        p, cfg, out_help="checkpoint / output directory",
+        source=("--model-dir", dict(default=None, help="trained checkpoint dir (e.g. macattn/data/tiny_llama)")),
+        shape=[("--n-queries", dict(type=int, default=cfg.n_queries,
+                                    help="decode queries per window (its last positions)")),
+               ("--n-sink", dict(type=int, default=cfg.n_sink)),
+               ("--n-tail", dict(type=int, default=cfg.n_tail)),
+               ("--features", dict(type=int, default=64, help="feature dimension F")),
+               ("--hidden", dict(type=int, default=128, help="ReZero block inner width"))],
+        optim=[("--temperature", dict(type=float, default=LossConfig().temperature))],
+        extra=[("--device", dict(default="cpu", help="torch device of the model and the maps (e.g. cuda)"))])
     p.set_defaults(func=_cmd)

@@ -19,14 +19,15 @@ import inspect
 import json
 import math
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from macattn.apps.trainer_common import latest_checkpoint, load_checkpoint, save_checkpoint
+from macattn.apps.trainer_common import (add_trainer_args, freeze, load_checkpoint, optimizer_step, random_windows,
+                                         resume_step, run_fields, save_checkpoint, save_due, step_bar,
+                                         step_generator, token_cross_entropy, versions, write_report)
 from macattn.core.validation import check_choice, check_float, check_int
 
 from macattn.methods.mka.config import MkaConfig
@@ -95,16 +96,9 @@ def split_corpus(docs: dict[str, str], heldout_fraction: float = 0.15) -> tuple[
     return to_t(train), to_t(held)
 
 
-def _batch(tokens: torch.Tensor, batch: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
-    if tokens.numel() <= seq_len:
-        raise ValueError(f"seq_len must be < corpus split length {tokens.numel()}, got {seq_len}")
-    start = torch.randint(0, tokens.numel() - seq_len, (batch,), generator=gen)
-    return torch.stack([tokens[s:s + seq_len] for s in start.tolist()])
-
-
 def _eval_batches(tokens: torch.Tensor, cfg: FinetuneConfig) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(cfg.seed + 7919)
-    return [_batch(tokens, cfg.batch, cfg.seq_len, gen) for _ in range(cfg.eval_batches)]
+    return [random_windows(tokens, cfg.batch, cfg.seq_len, gen) for _ in range(cfg.eval_batches)]
 
 
 @torch.no_grad()
@@ -113,8 +107,7 @@ def heldout_loss(model, batches: list[torch.Tensor]) -> float:
     tot, n = 0.0, 0
     for ids in batches:
         logits = model(ids).logits.float()
-        tot += torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                 ids[:, 1:].reshape(-1), reduction="sum").item()
+        tot += token_cross_entropy(logits[:, :-1], ids[:, 1:], reduction="sum").item()
         n += ids[:, 1:].numel()
     return tot / n
 
@@ -134,14 +127,10 @@ def _load(d: Path, params, opt: torch.optim.Optimizer) -> int:
 def finetune(model, train: torch.Tensor, heldout: torch.Tensor, cfg: FinetuneConfig, mka: MkaConfig,
              out: str | os.PathLike, *, resume: bool = False, progress: bool = True) -> dict:
     """Patch ``model`` with FastMKA, train its new weights, and return the report dict."""
-    from tqdm import tqdm
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
-    model = model.to(dtype).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model = freeze(model.to(dtype))
     evals = _eval_batches(heldout, cfg)
     t0 = time.time()
     loss_unmodified = heldout_loss(model, evals)
@@ -151,24 +140,20 @@ def finetune(model, train: torch.Tensor, heldout: torch.Tensor, cfg: FinetuneCon
         p.requires_grad_(True)
     loss_step0 = heldout_loss(model, evals)
     opt = torch.optim.AdamW([p for _, p in params], lr=cfg.lr, weight_decay=0.0)
-    step = 0
-    if resume and (ck := latest_checkpoint(out)) is not None:
-        step = _load(ck, params, opt)
+    step = resume_step(out, resume, lambda ck: _load(ck, params, opt))
     meta = {"finetune": asdict(cfg), "mka": asdict(mka)}
     losses = []
-    bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, disable=not progress, desc="finetune-mka")
+    bar = step_bar(step, cfg.steps, desc="finetune-mka", progress=progress)
     for s in bar:
         for f in ctx.fusions:
             f.train()
-        ids = _batch(train, cfg.batch, cfg.seq_len, torch.Generator().manual_seed(cfg.seed * 1_000_003 + s))
+        ids = random_windows(train, cfg.batch, cfg.seq_len, step_generator(cfg.seed, s))
         logits = model(ids).logits.float()
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        loss = token_cross_entropy(logits[:, :-1], ids[:, 1:])
+        optimizer_step(opt, loss)
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
-        if (s + 1) % cfg.save_every == 0 or s + 1 == cfg.steps:
+        if save_due(s + 1, cfg):
             _save(out, s + 1, params, opt, meta)
     for f in ctx.fusions:
         f.eval()
@@ -176,7 +161,7 @@ def finetune(model, train: torch.Tensor, heldout: torch.Tensor, cfg: FinetuneCon
     lam = torch.stack([ctx.last_lambda[i].reshape(-1, 3).mean(0) for i in range(len(ctx.fusions))])
     return {
         **meta,
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "versions": versions(),
         "device": "cpu",
         "train_tokens": int(train.numel()), "heldout_tokens": int(heldout.numel()),
         "heldout_eval_tokens": int(sum(b[:, 1:].numel() for b in evals)),
@@ -193,8 +178,7 @@ def finetune(model, train: torch.Tensor, heldout: torch.Tensor, cfg: FinetuneCon
 def _cmd(args) -> int:
     from macattn.models.builtin import build_builtin_model
 
-    cfg = FinetuneConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
-                         eval_batches=args.eval_batches, save_every=args.save_every, seed=args.seed, dtype=args.dtype)
+    cfg = FinetuneConfig(**run_fields(args), eval_batches=args.eval_batches, dtype=args.dtype)
     mka = MkaConfig(summary=args.summary, ema_beta=args.ema_beta, router_hidden=args.router_hidden, l3=args.l3,
                     seed=args.seed)
     if args.corpus:
@@ -215,32 +199,22 @@ def _cmd(args) -> int:
     report["corpus"] = args.corpus or "python-stdlib-docstrings"
     print(json.dumps({k: report[k] for k in ("ppl_unmodified", "ppl_step0", "ppl_after", "loss_step0", "loss_after")},
                      indent=1))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    write_report(args.json, report)
     return 0
 
 
 def register(sub) -> None:
     """Add ``finetune-mka`` to the argparse subparsers ``sub``."""
     p = sub.add_parser("finetune-mka", help="train the FastMKA routing weights of a model (only those), report perplexity")
-    p.add_argument("--model", choices=("llama", "qwen2", "mistral"), default="llama", help="built-in model family")
-    p.add_argument("--from", dest="from_dir", default=None, help="transformers model directory instead of the built-in")
-    p.add_argument("--corpus", default=None, help="UTF-8 text file (default: Python stdlib docstrings)")
-    p.add_argument("--out", required=True, help="checkpoint directory")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-2)
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--save-every", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    p.add_argument("--summary", choices=("mean", "ema"), default="mean")
-    p.add_argument("--ema-beta", type=float, default=0.9)
-    p.add_argument("--router-hidden", type=int, default=64)
-    p.add_argument("--l3", action="store_true", help="enable L3 hashed chunk recall")
-    p.add_argument("--json", default=None, help="write the report here")
-    p.add_argument("--no-progress", action="store_true")
+    cfg = FinetuneConfig()
+    add_trainer_args(
+        p, cfg, out_help="checkpoint directory",
+        source=("--from", dict(dest="from_dir", default=None,
+                               help="transformers model directory instead of the built-in")),
+        optim=[("--eval-batches", dict(type=int, default=cfg.eval_batches))],
+        extra=[("--dtype", dict(choices=("bf16", "fp32"), default=cfg.dtype)),
+               ("--summary", dict(choices=("mean", "ema"), default="mean")),
+               ("--ema-beta", dict(type=float, default=0.9)),
+               ("--router-hidden", dict(type=int, default=64)),
+               ("--l3", dict(action="store_true", help="enable L3 hashed chunk recall"))])
     p.set_defaults(func=_cmd)

@@ -1,8 +1,8 @@
 """RULER-style synthetic long-context tasks, shared by training and evaluation.
 
-Pure standard library on purpose: ``training/train_tiny_llama.py`` loads this file by path on
-the device (no ``transformers``/``tokenizers`` there), while ``macattn eval`` uses it with a
-real tokenizer. A sample is built from *fragments* (strings that each start at a pre-token
+Pure standard library on purpose: ``training/train_tiny_llama.py`` uses it with a lexicon of
+pre-tokenized fragments (no ``transformers``/``tokenizers`` needed), while ``macattn eval`` uses
+it with a real tokenizer. A sample is built from *fragments* (strings that each start at a pre-token
 boundary) turned into token ids by an ``encode(fragment) -> list[int]`` callable, so training
 (a lexicon of pre-tokenized fragments) and evaluation (``tokenizer.encode`` per fragment)
 produce identical ids by construction.

@@ -10,7 +10,8 @@ A method is an ``AttentionMethod`` subclass in ``macattn/methods/<name>/backend.
 * ``prefill`` / ``decode`` compute one layer's attention for one model call, given that call's
   ``StepContext`` (the per-step metadata, set in one place by whoever runs the model);
 * ``prefill_request`` (optional) replaces the engine's prefill of a whole request (A3's fused
-  prefix); ``wrap`` (optional) lets a method transform another's attention (FastMKA).
+  prefix); a method whose ``capabilities.composes`` is set runs around another method's attention
+  (FastMKA's fused K/V inputs).
 
 The transformers integration (``macattn.models.attention``) calls these; nothing else does.
 """
