@@ -1,47 +1,62 @@
-"""End-to-end decode-step benchmark: an 8B-shaped LLaMA, MAC vs full attention vs FlashInfer.
+"""End-to-end decode step as a user of the runtime gets it: ``LLMEngine`` on CUDA, LLaMA-3.1-8B shapes
+(32 layers, random bf16 weights), the whole step — embedding, 32 layers, final norm, logits, sampler —
+one CUDA graph per batch bucket, timed as graph replays.
 
-    python benchmarks/bench_e2e.py                 # H100: 32 layers, 32K and 128K, B in {1, 4}
-    python benchmarks/bench_e2e.py --dry-run       # CPU, tiny shapes: checks the script runs
+    python benchmarks/bench_e2e.py                       # H100: B in {1, 2, 4} x {32K, 128K} where it fits
+    python benchmarks/bench_e2e.py --grid 4x131072       # H200: the point that needs its memory
+    python benchmarks/bench_e2e.py --paths hf_compile    # the torch.compile peer alone
+    python benchmarks/bench_e2e.py --dry-run             # CPU, tiny shapes: checks the script runs
 
-Model: LLaMA-3.1-8B shapes (32 layers, hidden 4096, 32 query / 8 KV heads, d=128, MLP
-14336, vocab 128256), random bf16 weights (timing does not depend on the values). KV for
-``context`` positions is filled with random bf16 values (no prefill is timed); every
-request of the batch decodes the token at position ``m = context``. One timed step =
-the whole model forward for ``B`` tokens (embedding, 32 layers, norm, last-token logits).
+Requests are admitted through the engine's scheduler (slots, KV blocks) and their ``context`` tokens
+of KV are random values written into the paged pool (no prefill is timed or needed); every request
+decodes the token at position ``m = context``. Paths (the attention inside the same engine step):
 
-Attention paths (one registered transformers attention function, switched per run):
+* ``no_attention``: the attention returns its query (same inputs and outputs): the non-attention
+  part of the step, with the bytes it streams (``weight_bytes``) and its fraction of the copy
+  bandwidth.
+* ``full``: the registered full-attention method (our split-KV kernel over the pages).
+* ``mac@p``: MAC with per-head hit rate ``p`` (1.0 = all hit; 0.99 / 0.9 / 0.5 = each (request,
+  head) hits with probability p, seeded; ``--draws`` fresh patterns per rate, each timed). A hit
+  head's ring holds its own pre-RoPE query at gap ``--gap``, a missed head's the negated query;
+  rings are seeded layer by layer (a layer's queries depend on the earlier layers' outputs). The
+  measured hit rate (the kernels' own ``match_pos``) is reported.
+* ``flashinfer``: FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores) over the same
+  paged pool (``(k, v)`` pages, NHD), planned once for the requests' block tables.
+* ``hf_compile``: the peer for the whole step: the unmodified transformers model with SDPA and a
+  ``StaticCache`` of ``context + 16`` random positions under ``torch.compile(mode="max-autotune-no-cudagraphs")``,
+  captured in a CUDA graph by this script (the same replay timing as ours).
 
-* ``mac``: MAC step (match, complete, rectify-append). ``macattn.plugins.MacDecodePlan``
-  when importable on CUDA (plan once per bucket, capture-safe), else ``torch.ops.macattn``
-  (the CUDA impls registered by ``macattn.methods.kernels.register_kernels``, or the CPU reference in --dry-run).
-  Two ring states: ``hit`` (each layer's ring seeded so every head matches at reuse gap
-  ``--gap``: the best case, reads ``band + gap`` KV tokens) and ``miss`` (empty rings: full
-  attention plus MAC's match/append overhead).
-* ``full_triton``: ``MacDecodePlan.run_full`` (the same attention kernel, no ring).
-* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention(enable_gqa=True)``.
-* ``flashinfer``: ``BatchDecodeWithPagedKVCacheWrapper`` (NHD, tensor cores) over its own
-  paged cache of 16-token pages holding the same number of random tokens (one
-  ``T``-token page per request measured its scheduling, not its bandwidth: 62 ms/step at
-  B=1 x 128K on the H100, first run).
-
-Steps are captured in a CUDA graph and replayed (``--no-cuda-graphs`` for eager); a path
-that cannot be captured is timed eagerly and says why. Configurations that do not fit in
-free GPU memory are skipped with the bytes they need (B=4 x 128K needs ~82 GiB: H200).
-Results: JSON in ``benchmarks/results/`` (``--out``).
+Weights: ``bf16`` and ``fp8`` (``RuntimeConfig(quantization="fp8")``, weight-only E4M3 projections).
+Points that do not fit in free GPU memory are skipped with the bytes they need. The run first times a
+device-to-device copy (read + write); ``no_attention`` / ``full`` / ``flashinfer`` rows carry the bytes
+they must stream (weights, + every KV) and the fraction of that copy rate and of nominal HBM they reach.
+JSON with every figure (device and its UUID, versions), rewritten after every path, and a PNG beside it
+under ``benchmarks/results/``; a table is printed. ``--append`` adds to an existing JSON of the same GPU
+(a grid split over several calls of a machine's time limit); ``--plot JSON`` redraws a PNG.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import math
 import platform
+import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
-from types import SimpleNamespace
+from typing import ClassVar
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_timing import graph_replay_us, replay_us  # noqa: E402
+
+from macattn.methods.base import AttentionMethod, Capabilities, ModelDims  # noqa: E402
+from macattn.methods.full.config import FullConfig  # noqa: E402
+from macattn.methods.mac.config import MacConfig  # noqa: E402
+from macattn.models.attention import unbind  # noqa: E402
+from macattn.runtime.config import RuntimeConfig  # noqa: E402
+from macattn.runtime.engine import LLMEngine  # noqa: E402
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
@@ -49,317 +64,438 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
 TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
             num_key_value_heads=2, head_dim=32, rope_theta=10000.0, max_position_embeddings=4096,
             tie_word_embeddings=False)
-IMPL = "macattn_bench"
-PATHS = ("mac", "full_triton", "sdpa", "flashinfer")
-
-# What the attention function needs for the current run (set before each run).
-B_ = SimpleNamespace(path=None, m=0, positions=None, slots=None, state=None, plan=None, fi=None, fi_kv=None, q_pre={},
-                     record=None, hits=None)
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
+PATHS = ("no_attention", "full", "mac", "flashinfer", "hf_compile")
 
 
-# --- optional GPU pieces (import-guarded) -----------------------------------------------------
-def _try_import_plugins():
-    try:
-        from macattn.methods.kernels import register_kernels
-        from macattn.plugins.decode_plan import MacDecodePlan
-        return register_kernels(), MacDecodePlan, None
-    except Exception as exc:                         # noqa: BLE001 - reported in the JSON
-        return None, None, f"{type(exc).__name__}: {exc}"
+# --- the bench-only attention paths (AttentionMethod subclasses handed to the engine) ------------
+class NoAttention(AttentionMethod):
+    """The attention returns its query: what the step costs without attention."""
+
+    name: ClassVar[str] = "no_attention"
+    config_type: ClassVar[type] = FullConfig
+    capabilities: ClassVar[Capabilities] = Capabilities(paged_kv=True, cuda_graphs=True)
+
+    def decode(self, module, layer, query, key, value, q_pre, attention_mask, scale, step, fallback, **kwargs):
+        return query.transpose(1, 2)
 
 
-def _try_import_flashinfer():
-    try:
-        import flashinfer
-        return flashinfer, None
-    except Exception as exc:                         # noqa: BLE001
-        return None, f"{type(exc).__name__}: {exc}"
+class FlashInferAttention(AttentionMethod):
+    """FlashInfer's batch decode over the engine's paged pool (``plan`` before the first step)."""
+
+    name: ClassVar[str] = "flashinfer"
+    config_type: ClassVar[type] = FullConfig
+    capabilities: ClassVar[Capabilities] = Capabilities(paged_kv=True, cuda_graphs=True)
+    wrapper = None
+
+    def plan(self, flashinfer, seqs, block_size: int) -> None:
+        dev, d = self.dims.device, self.dims.head_dim
+        pages = [s.block_table[: -(-s.num_tokens // block_size)] for s in seqs]   # positions 0 .. m
+        indptr = torch.tensor([0] + [sum(len(p) for p in pages[:i + 1]) for i in range(len(pages))],
+                              dtype=torch.int32, device=dev)
+        indices = torch.tensor([b for p in pages for b in p], dtype=torch.int32, device=dev)
+        last = torch.tensor([(s.num_tokens - 1) % block_size + 1 for s in seqs], dtype=torch.int32, device=dev)
+        ws = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=dev)
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            ws, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
+            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
+        self.wrapper.plan(indptr, indices, last, self.dims.num_q_heads, self.dims.num_kv_heads, d, block_size,
+                          q_data_type=self.dims.dtype, kv_data_type=self.dims.dtype)
+
+    def decode(self, module, layer, query, key, value, q_pre, attention_mask, scale, step, fallback, **kwargs):
+        return self.wrapper.run(query[:, :, 0].contiguous(), (key, value)).unsqueeze(1)
 
 
-# --- the attention function and the static KV view ----------------------------------------------
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query ``[B, Hq, 1, d]``; key/value the static ``[B, Hkv, T, d]`` buffers. -> ``([B, 1, Hq, d], None)``."""
-    layer = module.layer_idx
-    q = query[:, :, 0]
-    path = B_.path
-    if path == "sdpa":
-        m = B_.m
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key[:, :, :m + 1], value[:, :, :m + 1], scale=scaling, enable_gqa=True)[:, :, 0]
-    elif path == "flashinfer":
-        out = B_.fi.run(q.contiguous(), B_.fi_kv[layer])
-    elif path == "full_triton":
-        out = B_.plan.run_full(q, key, value, B_.positions, check=False)
-    elif path == "mac":
-        qp = B_.q_pre.pop(layer).view(q.shape)
-        if B_.record is not None:
-            B_.record[layer] = qp.detach().clone()
-        rings = B_.state.layer(layer)
-        if B_.plan is not None:
-            out, match_pos, _ = B_.plan.run(q, qp, key, value, B_.positions, B_.slots, *rings, check=False)
-        else:
-            p = B_.state.config.for_layer(layer)
-            match_pos, _ = torch.ops.macattn.mac_match(qp, rings[0], rings[2], rings[3], B_.slots, B_.positions,
-                                                        p.band, p.tau)
-            out = torch.ops.macattn.mac_attend(q, qp, key, value, B_.positions, match_pos, B_.slots, *rings,
-                                               p.band, float(scaling))
-        B_.hits += (match_pos >= 0).sum()
-    else:
-        raise RuntimeError(f"unknown path {path!r}")
-    return out.unsqueeze(1), None
-
-
-def _capture_q_pre(module, inputs, output):
-    if B_.path == "mac":
-        B_.q_pre[module._bench_layer] = output
-
-
-class StaticKV:
-    """Per layer ``k, v [B, Hkv, T, d]``; ``update`` writes the new token at position ``m`` (static index)."""
-
-    def __init__(self, layers: int, B: int, hkv: int, T: int, d: int, dtype, device, m: int):
-        g = torch.Generator(device=device).manual_seed(0)
-        self.k = [torch.randn(B, hkv, T, d, dtype=dtype, device=device, generator=g) for _ in range(layers)]
-        self.v = [torch.randn(B, hkv, T, d, dtype=dtype, device=device, generator=g) for _ in range(layers)]
-        self.idx = torch.tensor([m], device=device)
-
-    def update(self, key, value, layer_idx, *args, **kwargs):
-        self.k[layer_idx].index_copy_(2, self.idx, key)
-        self.v[layer_idx].index_copy_(2, self.idx, value)
-        return self.k[layer_idx], self.v[layer_idx]
-
-
-# --- setup ---------------------------------------------------------------------------------------
+# --- setup ----------------------------------------------------------------------------------------
 def build_model(shapes: dict, dtype, device):
-    from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(**shapes)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    model.eval()
-    AttentionInterface.register(IMPL, _attention)   # no mask function registered: transformers builds no mask
-    model.set_attn_implementation(IMPL)
-    for i, layer in enumerate(model.model.layers):
-        layer.self_attn.q_proj._bench_layer = i
-        layer.self_attn.q_proj.register_forward_hook(_capture_q_pre)
-    return model
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**shapes), dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
 
 
-def _bytes_needed(shapes, B, T, window, n_params) -> int:
-    L, hkv, hq, d = (shapes[k] for k in ("num_hidden_layers", "num_key_value_heads", "num_attention_heads", "head_dim"))
-    kv = 2 * L * B * hkv * T * d * 2
-    rings = L * B * hq * window * (d * 2 + d * 4 + 4) + L * B * window * 8
-    return n_params * 2 + kv + rings
+def make_engine(model, path: str, B: int, context: int, weights: str, args, device) -> LLMEngine:
+    rc = RuntimeConfig(max_batch_size=B, max_seq_len=context + 64, device=str(device),
+                       use_cuda_graphs=device.type == "cuda", quantization="fp8" if weights == "fp8" else None)
+    if path == "mac":
+        return LLMEngine(model, MacConfig(window=args.window, band=args.band, tau=args.tau), rc)
+    if path == "full":
+        return LLMEngine(model, None, rc, method="full")
+    cls = {"no_attention": NoAttention, "flashinfer": FlashInferAttention}[path]
+    return LLMEngine(model, None, rc, method=lambda n: cls(FullConfig(), ModelDims.of(model), num_slots=n))
 
 
-def _seed_hits(step, state, m: int, gap: int, layers: int) -> None:
-    """Seed ring slot ``m - gap`` of every layer with that layer's own pre-RoPE query, one layer
-    per pass (deeper layers' queries depend on the earlier layers' now-fixed hit outputs)."""
-    for layer in range(layers):
-        B_.record = {}
-        step()
+def admit_synthetic(eng: LLMEngine, B: int, context: int, seed: int = 0) -> list:
+    """``B`` running requests of ``context`` prompt tokens whose KV is random (written straight into
+    the pool: nothing is prefilled), each with one generated token, so the next step decodes at ``m = context``."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = eng.vocab_size
+    for _ in range(B):
+        eng.submit(eng.make_request(torch.randint(0, vocab, (context,), generator=g), max_new_tokens=8))
+    seqs = eng.scheduler.admit()
+    assert len(seqs) == B, "the engine could not admit the batch"
+    for s in seqs:
+        s.output.append(int(torch.randint(0, vocab, (1,), generator=g)))
+    kv = eng.executor.kv
+    gen = torch.Generator(device=kv.k[0].device).manual_seed(seed)
+    for t in kv.k + kv.v:
+        t.normal_(generator=gen)
+    return seqs
+
+
+def _record_queries(eng, seqs) -> dict[int, torch.Tensor]:
+    """One eager step; every layer's pre-RoPE query ``[B, Hq, d]`` (the rings are appended to, at ``m``)."""
+    method, rec = eng.method, {}
+    original = method.decode
+
+    def recording(module, layer, query, key, value, q_pre, *a, **kw):
+        rec[layer] = q_pre[:, :, 0].detach().clone()
+        return original(module, layer, query, key, value, q_pre, *a, **kw)
+
+    paged = eng.executor.paged
+    graphs = paged is not None and paged.use_cuda_graphs
+    method.decode = recording
+    if graphs:
+        paged.use_cuda_graphs = False          # an eager step: the recorder must run (and not be captured)
+    try:
+        eng.executor.decode_step(seqs)
+    finally:
+        del method.decode
+        if graphs:
+            paged.use_cuda_graphs = True
+    return rec
+
+
+def seed_rings(eng, seqs, rate: float, gap: int, gen: torch.Generator) -> None:
+    """Each (request, head) of every layer hits with probability ``rate`` at gap ``gap`` (module doc)."""
+    state, m = eng.method.state, seqs[0].num_tokens - 1
+    for layer in range(eng.executor.num_layers):
+        q = _record_queries(eng, seqs)[layer]
         qring, oring, lse, pos = state.layer(layer)
         K = qring.shape[2]
-        col = (m - gap) % K
-        for b in range(B_.slots.numel()):
-            s = int(B_.slots[b])
-            qring[s, :, col] = B_.record[layer][b].to(qring.dtype)
-            oring[s, :, col] = 0.01
-            lse[s, :, col] = 0.0
-            pos[s, col] = m - gap
-        B_.record = None
+        hit = torch.rand(q.shape[:2], generator=gen) < rate                       # [B, Hq]
+        for b, s in enumerate(seqs):
+            sign = torch.where(hit[b], 1.0, -1.0).to(q.device, q.dtype).view(-1, 1)
+            qring[s.slot, :, (m - gap) % K] = (q[b] * sign).to(qring.dtype)
+            oring[s.slot, :, (m - gap) % K] = 0.01
+            lse[s.slot, :, (m - gap) % K] = 0.0
+            pos[s.slot, (m - gap) % K] = m - gap
 
 
-def _time(fn, steps: int, warmup: int, device) -> float:
-    """Mean milliseconds per call."""
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / steps
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / steps
+def time_step(eng, seqs, reps: int) -> tuple[list[float], torch.Tensor | None]:
+    """Capture (through the engine's own step) and time the bucket's greedy graph."""
+    eng.executor.decode_step(seqs)                             # captures the bucket's whole-step graph
+    paged = eng.executor.paged
+    if paged is None:
+        return [], None
+    bucket = paged.buckets[paged.bucket_size(len(seqs))]
+    us = graph_replay_us(bucket.graphs[True], reps)
+    hits = None
+    if bucket.match_pos:
+        hits = torch.stack([mp[: len(seqs)] for mp in bucket.match_pos.values()]) >= 0
+    return us, hits
 
 
-def run_one(model, shapes, args, *, path: str, mode: str, context: int, B: int, kv: StaticKV, device, dtype,
-            plan_cls, fi_mod) -> dict:
-    from macattn.methods.mac.config import MacConfig
-    from macattn.methods.mac.state import MacState
+def _summary(us: list[float]) -> dict:
+    return {"step_us_median": statistics.median(us), "step_us_p10": sorted(us)[len(us) // 10],
+            "step_us_p90": sorted(us)[(9 * len(us)) // 10]}
 
-    L, hq, hkv, d = (shapes[k] for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                                          "head_dim"))
-    m = context
-    T = kv.k[0].shape[2]
-    rec = {"path": path, "mode": mode if path == "mac" else "-", "context": context, "batch": B}
-    B_.path, B_.m = path, m
-    B_.positions = torch.full((B,), m, dtype=torch.int64, device=device)
-    B_.slots = torch.arange(B, dtype=torch.int64, device=device)
-    B_.hits = torch.zeros((), dtype=torch.int64, device=device)
-    B_.plan = B_.fi = B_.state = None
-    B_.q_pre = {}
-    mac = MacConfig(window=args.window, band=args.band, tau=args.tau)
-    if path in ("mac", "full_triton") and plan_cls is not None and device.type == "cuda":
-        B_.plan = plan_cls(batch_size=B, max_context=T, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                           window=args.window, band=args.band, tau=args.tau, q_dtype=dtype, device=device)
-    if path == "full_triton" and B_.plan is None:
-        return {**rec, "skipped": "needs macattn.plugins.MacDecodePlan on CUDA"}
-    if path == "flashinfer":
-        if fi_mod is None or device.type != "cuda":
-            return {**rec, "skipped": "needs flashinfer on CUDA"}
-        # FlashInfer's own paged cache (NHD, 16-token pages, random bf16), one per layer: a single
-        # T-token page would defeat its split-KV scheduling and measure a layout, not the peer.
-        page = 16
-        per_req = -(-(m + 1) // page)
-        ws = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
-        indptr = torch.arange(B + 1, dtype=torch.int32, device=device) * per_req
-        indices = torch.arange(B * per_req, dtype=torch.int32, device=device)
-        last = torch.full((B,), (m % page) + 1, dtype=torch.int32, device=device)
-        B_.fi_kv = [torch.randn(B * per_req, 2, page, hkv, d, dtype=dtype, device=device) for _ in range(L)]
-        B_.fi = fi_mod.BatchDecodeWithPagedKVCacheWrapper(
-            ws, "NHD", use_cuda_graph=not args.no_cuda_graphs, use_tensor_cores=True,
-            paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
-        B_.fi.plan(indptr, indices, last, hq, hkv, d, page, q_data_type=dtype, kv_data_type=dtype)
-    if path == "mac":
-        B_.state = MacState.allocate(mac, num_layers=L, num_slots=B, num_q_heads=hq, head_dim=d,
-                                     query_dtype=dtype, device=device)
-        rec["mac_impl"] = "MacDecodePlan" if B_.plan is not None else "torch.ops.macattn"
+
+def run_path(model, path: str, B: int, context: int, weights: str, args, device, flashinfer) -> list[dict]:
+    base = {"path": path, "weights": weights, "batch": B, "context": context}
+    eng = make_engine(model, path, B, context, weights, args, device)
+    rows = []
+    try:
+        seqs = admit_synthetic(eng, B, context)
+        ex = eng.executor
+        base["weight_bytes"] = ex.fused.weight_bytes() if ex.fused is not None else None
+        base["kv_bytes_read_full"] = 2 * ex.num_layers * B * (context + 1) * model.config.num_key_value_heads * \
+            ex.head_dim * ex.kv.k[0].element_size()
+        if path == "flashinfer":
+            eng.method.plan(flashinfer, seqs, eng.config.block_size)
+        if path != "mac":
+            us, _ = time_step(eng, seqs, args.reps)
+            rows.append({**base, **_summary(us)} if us else {**base, "note": "no graph (CPU dry run)"})
+            return rows
+        for rate in args.hit_rates:
+            draws = 1 if rate in (0.0, 1.0) else args.draws
+            gen = torch.Generator().manual_seed(int(rate * 1000))
+            for draw in range(draws):
+                seed_rings(eng, seqs, rate, args.gap, gen)
+                us, hits = time_step(eng, seqs, args.reps)
+                rec = {**base, "path": f"mac@{rate:g}", "hit_rate_target": rate, "draw": draw,
+                       "window": args.window, "band": args.band, "tau": args.tau, "gap": args.gap}
+                if hits is not None:
+                    rec["hit_rate_measured"] = float(hits.float().mean())
+                rows.append({**rec, **_summary(us)} if us else {**rec, "note": "no graph (CPU dry run)"})
+                print(json.dumps(rows[-1]), flush=True)
+        return rows
+    finally:
+        unbind(eng.executor.model)
+        del eng
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def run_hf_compile(model, B: int, context: int, args, device) -> dict:
+    """The peer: the transformers model itself, SDPA over a random ``StaticCache``, ``torch.compile``d."""
+    from transformers import StaticCache
+
+    rec = {"path": "hf_compile", "weights": "bf16", "batch": B, "context": context,
+           "compile_mode": args.compile_mode}
+    T = context + 16
+    cache = StaticCache(config=model.config, max_cache_len=T)
     ids = torch.full((B, 1), 7, dtype=torch.int64, device=device)
-    pos_ids = B_.positions.view(B, 1)
+    pos = torch.full((B, 1), context, dtype=torch.int64, device=device)
+    cache_pos = torch.tensor([context], device=device)
 
-    @torch.inference_mode()
     def step():
-        return model(input_ids=ids, position_ids=pos_ids, past_key_values=kv, use_cache=True,
-                     logits_to_keep=1).logits
+        return model(input_ids=ids, position_ids=pos, cache_position=cache_pos, past_key_values=cache,
+                     use_cache=True, logits_to_keep=1).logits.argmax(-1)
 
-    if path == "mac" and mode == "hit":
-        _seed_hits(step, B_.state, m, args.gap, L)
-    fn, graph_note = step, None
-    if device.type == "cuda" and not args.no_cuda_graphs:
-        try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    step()
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            fn = graph.replay
-        except Exception as exc:                      # noqa: BLE001 - timed eagerly instead
-            graph_note = f"eager (capture failed: {type(exc).__name__}: {str(exc)[:200]})"
-            torch.cuda.synchronize()
-    B_.hits.zero_()
-    ms = _time(fn, args.steps, args.warmup, device)
-    calls = (args.steps + args.warmup) * L * B * hq
-    rec.update(step_ms=ms, tokens_per_s=B / (ms / 1e3), cuda_graph=graph_note is None and device.type == "cuda")
-    if graph_note:
-        rec["note"] = graph_note
-    if path == "mac":
-        rec["hit_rate"] = float(B_.hits) / calls
-        rec.update(window=args.window, band=args.band, tau=args.tau, gap=args.gap if mode == "hit" else None)
-    return rec
+    with torch.inference_mode():
+        step()                                                   # allocates the cache's tensors
+        for layer in cache.layers:
+            layer.keys.normal_()
+            layer.values.normal_()
+        compiled = torch.compile(step, mode=args.compile_mode) if device.type == "cuda" else step
+        side = torch.cuda.Stream() if device.type == "cuda" else None
+        if side is None:
+            compiled()
+            return {**rec, "note": "no graph (CPU dry run)"}
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                compiled()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            compiled()
+        us = graph_replay_us(graph, args.reps)
+    del graph, cache
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {**rec, **_summary(us)}
+
+
+def bytes_needed(shapes, B, context, weights: str) -> int:
+    L, hkv, d = shapes["num_hidden_layers"], shapes["num_key_value_heads"], shapes["head_dim"]
+    kv = 2 * L * B * (context + 64 + 16) * hkv * d * 2
+    fp8 = 0 if weights == "bf16" else L * (shapes["hidden_size"] * (shapes["num_attention_heads"] + 2 * hkv) * d * 2
+                                          + 3 * shapes["hidden_size"] * shapes["intermediate_size"])
+    rings = L * B * shapes["num_attention_heads"] * 1024 * (d * 6 + 4)
+    return kv + fp8 + rings + (1 << 30)
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30, reps: int = 20) -> float | None:
+    """Bytes per second a device-to-device copy moves (read + write of ``nbytes``), graph replays."""
+    if device.type != "cuda":
+        return None
+    src, dst = torch.empty(nbytes, dtype=torch.uint8, device=device), torch.empty(nbytes, dtype=torch.uint8, device=device)
+    us = statistics.median(replay_us([lambda: dst.copy_(src)], reps))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (us * 1e-6)
+
+
+def annotate(r: dict, copy_bw: float | None, hbm: float | None) -> dict:
+    """Bytes a path must stream per step (weights; + every KV for ``full`` / ``flashinfer``) and the
+    fraction of the copy bandwidth and of the nominal HBM bandwidth that the step time reaches."""
+    if "step_us_median" in r and r.get("weight_bytes") and r["path"] in ("no_attention", "full", "flashinfer"):
+        moved = r["weight_bytes"] + (r["kv_bytes_read_full"] if r["path"] != "no_attention" else 0)
+        rate = moved / (r["step_us_median"] * 1e-6)
+        r["streamed_bytes"], r["streamed_bytes_per_s"] = moved, rate
+        r["fraction_of_copy_bw"] = rate / copy_bw if copy_bw else None
+        r["fraction_of_hbm_peak"] = rate / hbm if hbm else None
+    return r
+
+
+def _table(rows: list[dict]) -> str:
+    out = [f"{'B x ctx':>12} {'weights':>7} {'path':>14} {'step ms':>9} {'hit':>6} {'x flashinfer':>12} "
+           f"{'x hf_compile':>12} {'% copy':>6} {'% HBM':>6}"]
+    ref = {(r["batch"], r["context"], r["weights"], r["path"]): r.get("step_us_median") for r in rows}
+    pct = lambda v: f"{100 * v:.0f}" if v else ""  # noqa: E731
+    for r in rows:
+        if "step_us_median" not in r:
+            continue
+        key = (r["batch"], r["context"])
+        fi = ref.get((*key, r["weights"], "flashinfer"))
+        hf = ref.get((*key, "bf16", "hf_compile"))
+        t = r["step_us_median"]
+        out.append(f"{r['batch']:>4} x {r['context']:>6} {r['weights']:>7} {r['path']:>14} {t / 1e3:>9.3f} "
+                   f"{r.get('hit_rate_measured', float('nan')):>6.3f} {(fi / t if fi else float('nan')):>12.2f} "
+                   f"{(hf / t if hf else float('nan')):>12.2f} {pct(r.get('fraction_of_copy_bw')):>6} "
+                   f"{pct(r.get('fraction_of_hbm_peak')):>6}")
+    return "\n".join(out)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Step ms per path at every (batch, context, weights) point of ``report``, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = ["no_attention", "mac@1", "mac@0.99", "mac@0.9", "mac@0.5", "full", "flashinfer", "hf_compile"]
+    med: dict[tuple, list[float]] = {}
+    for r in report["rows"]:
+        if "step_us_median" in r:
+            med.setdefault((r["batch"], r["context"], r["weights"], r["path"]), []).append(r["step_us_median"])
+    points = sorted({k[:3] for k in med}, key=lambda k: (k[2], k[1], k[0]))
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(points)), 5))
+    width = 0.85 / len(shown)
+    for i, name in enumerate(shown):
+        ys = [statistics.mean(med[(*p, name)]) / 1e3 if (*p, name) in med else float("nan") for p in points]
+        ax.bar([j + i * width for j in range(len(points))], ys, width, label=name)
+    ax.set_xticks([j + 0.425 - width / 2 for j in range(len(points))],
+                  [f"{b}×{c // 1024}K\n{w}" for b, c, w in points])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per decode step (CUDA-graph replay, median)")
+    ax.set_title(f"bench_e2e: whole decode step, {report['model']}, {report['device']}")
+    ax.legend(ncol=4, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _row_key(r: dict) -> tuple:
+    return r["path"], r["weights"], r["batch"], r["context"], r.get("draw", 0)
+
+
+def merge_reports(old: dict, new: dict) -> dict:
+    """``new`` with the rows of ``old`` it does not replace (by path, weights, batch, context, draw);
+    ``ValueError`` if the two ran on different devices or software (their timings must not mix)."""
+    same = ("device", "device_uuid", "torch", "triton", "transformers", "shapes")
+    if any(old.get(k) != new.get(k) for k in same):
+        raise ValueError(f"--append: rows of {old.get('device')} {old.get('device_uuid')} (torch {old.get('torch')}) "
+                         f"cannot join a run on {new.get('device')} {new.get('device_uuid')} (torch {new.get('torch')})")
+    fresh = {_row_key(r) for r in new["rows"]}
+    rows = [r for r in old["rows"] if _row_key(r) not in fresh] + new["rows"]
+    return {**new, "rows": rows, "runs": old.get("runs", 1) + 1,
+            "flashinfer": new["flashinfer"] or old.get("flashinfer"),
+            "flashinfer_error": new["flashinfer_error"] if new["flashinfer"] else old.get("flashinfer_error")}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, few steps: checks the script")
-    ap.add_argument("--contexts", type=int, nargs="+", default=None, help="default 32768 131072 (dry: 128 256)")
-    ap.add_argument("--batches", type=int, nargs="+", default=None, help="default 1 4 (dry: 1 2)")
-    ap.add_argument("--layers", type=int, default=None, help="default 32 (dry: 2)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: checks the script")
+    ap.add_argument("--grid", nargs="+", default=None, help="BxCTX points (default 1x32768 2x32768 4x32768 "
+                                                            "1x131072 2x131072 4x131072; dry: 1x128 2x128)")
     ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
-    ap.add_argument("--modes", nargs="+", default=["hit", "miss"], choices=["hit", "miss"])
+    ap.add_argument("--weights", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    ap.add_argument("--fp8-paths", nargs="+", default=["no_attention", "full", "mac", "flashinfer"])
+    ap.add_argument("--hit-rates", type=float, nargs="+", default=[1.0, 0.99, 0.9, 0.5])
+    ap.add_argument("--draws", type=int, default=2, help="random hit patterns per rate below 1")
     ap.add_argument("--window", type=int, default=None, help="ring window K (default 1024; dry 32)")
     ap.add_argument("--band", type=int, default=None, help="band r (default 256; dry 8)")
     ap.add_argument("--tau", type=float, default=0.45)
-    ap.add_argument("--gap", type=int, default=None, help="reuse gap m - p in 'hit' mode (default 64; dry 4)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 50; dry 2)")
-    ap.add_argument("--warmup", type=int, default=None, help="default 5 (dry 1)")
-    ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--gap", type=int, default=None, help="reuse gap m - p of a hit (default 64; dry 4)")
+    ap.add_argument("--reps", type=int, default=None, help="timed replays (default 40)")
+    ap.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_e2e_<gpu>.json; "
-                                                "dry run: print only)")
+                                                "dry run: none)")
+    ap.add_argument("--plot", metavar="JSON", default=None, help="only draw JSON's PNG beside it")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the rows already in --out (same device only) that this run does not replace: "
+                         "a grid split over several calls of a machine's time limit")
     args = ap.parse_args(argv)
+    if args.plot:
+        plot(json.loads(Path(args.plot).read_text()), Path(args.plot).with_suffix(".png"))
+        return 0
     dry = args.dry_run
-    d = lambda v, full, tiny: v if v is not None else (tiny if dry else full)  # noqa: E731
-    args.contexts = d(args.contexts, [32768, 131072], [128, 256])
-    args.batches = d(args.batches, [1, 4], [1, 2])
-    args.window, args.band, args.gap = d(args.window, 1024, 32), d(args.band, 256, 8), d(args.gap, 64, 4)
-    args.steps, args.warmup = d(args.steps, 50, 2), d(args.warmup, 5, 1)
-    shapes = dict(TINY if dry else LLAMA_8B)
-    shapes["num_hidden_layers"] = d(args.layers, shapes["num_hidden_layers"], 2)
-    shapes["max_position_embeddings"] = max(shapes["max_position_embeddings"], max(args.contexts) + 64)
+    pick = lambda v, full, tiny: v if v is not None else (tiny if dry else full)  # noqa: E731
+    grid = pick(args.grid, ["1x32768", "2x32768", "4x32768", "1x131072", "2x131072", "4x131072"], ["1x128", "2x128"])
+    points = [tuple(int(x) for x in p.lower().split("x")) for p in grid]
+    args.window, args.band, args.gap = pick(args.window, 1024, 32), pick(args.band, 256, 8), pick(args.gap, 64, 4)
+    args.reps = pick(args.reps, 40, 2)
     if not dry and not torch.cuda.is_available():
         print("no CUDA device: run on an H100 or use --dry-run", file=sys.stderr)
         return 2
     device = torch.device("cpu" if dry else "cuda")
-    dtype = torch.float32 if dry else torch.bfloat16
+    shapes = dict(TINY if dry else LLAMA_8B)
+    flashinfer, fi_err = None, None
+    if "flashinfer" in args.paths and not dry:
+        try:
+            import flashinfer
+        except Exception as exc:                              # noqa: BLE001 - reported in the JSON
+            fi_err = f"{type(exc).__name__}: {exc}"
+    paths = [p for p in args.paths if not (p == "flashinfer" and flashinfer is None)]
+    model = build_model(shapes, torch.float32 if dry else torch.bfloat16, device)
+    name = torch.cuda.get_device_name() if not dry else f"{platform.machine()} CPU"
+    uuid = str(torch.cuda.get_device_properties(device).uuid) if not dry else None   # --append: one GPU only
+    hbm = next((v for k, v in HBM_BYTES_PER_S.items() if k in name), None)
+    import transformers
+    import triton
 
-    plugins, plan_cls, plugins_err = _try_import_plugins()
-    if device.type != "cuda":
-        plan_cls = None
-    fi_mod, fi_err = _try_import_flashinfer() if "flashinfer" in args.paths else (None, "not requested")
-    model = build_model(shapes, dtype, device)
-    n_params = sum(p.numel() for p in model.parameters())
-    results = []
-    for context in args.contexts:
-        for B in args.batches:
-            T = context + 64
-            need = _bytes_needed(shapes, B, T, args.window, n_params)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_allocated(device) - n_params * 2
-                if need - n_params * 2 > free * 0.95:
-                    results.append({"context": context, "batch": B, "skipped":
-                                    f"needs {need / 2**30:.1f} GiB (weights + KV + rings); "
-                                    f"{(free + n_params * 2) / 2**30:.1f} GiB usable"})
-                    print(results[-1], flush=True)
-                    continue
-            kv = StaticKV(shapes["num_hidden_layers"], B, shapes["num_key_value_heads"], T, shapes["head_dim"],
-                          dtype, device, context)
-            for path in args.paths:
-                for mode in (args.modes if path == "mac" else ["-"]):
-                    B_.fi = B_.fi_kv = B_.plan = B_.state = None   # free the previous path's buffers
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                    try:
-                        rec = run_one(model, shapes, args, path=path, mode=mode, context=context, B=B, kv=kv,
-                                      device=device, dtype=dtype, plan_cls=plan_cls, fi_mod=fi_mod)
-                    except Exception as exc:          # noqa: BLE001 - one path failing must not stop the rest
-                        rec = {"path": path, "mode": mode, "context": context, "batch": B,
-                               "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-1500:]}
-                    results.append(rec)
-                    print({k: v for k, v in rec.items() if k != "trace"}, flush=True)
-            del kv
-    report = {
-        "benchmark": "bench_e2e", "dry_run": dry, "model": "LLaMA-3.1-8B shapes, random weights" if not dry
-        else "tiny LLaMA (dry run)", "shapes": shapes, "dtype": str(dtype), "n_params": n_params,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU",
-        "torch": torch.__version__, "steps": args.steps, "warmup": args.warmup,
-        "cuda_graphs": device.type == "cuda" and not args.no_cuda_graphs,
-        "plugins": list(plugins) if plugins is not None else None, "plugins_error": plugins_err,
-        "flashinfer": getattr(fi_mod, "__version__", None) if fi_mod else None, "flashinfer_error": fi_err,
-        "kv_bytes_per_token_per_layer": 2 * shapes["num_key_value_heads"] * shapes["head_dim"] * 2,
-        "results": results,
-    }
     out = args.out
     if out is None and not dry:
-        name = torch.cuda.get_device_name(device).replace(" ", "_").lower()
-        out = Path(__file__).parent / "results" / f"bench_e2e_{name}.json"
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {out}")
-    else:
-        print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=1))
-    bad = [r for r in results if "error" in r]
-    return 1 if bad and dry else 0
+        out = Path(__file__).parent / "results" / f"bench_e2e_{name.split()[1].lower() if len(name.split()) > 1 else 'gpu'}.json"
+    previous = json.loads(Path(out).read_text()) if out and args.append and Path(out).exists() else None
+
+    def save(rows: list[dict], final: bool = False) -> dict:
+        """The report so far, written after every path (a run cut off by a time limit keeps its rows)."""
+        report = {"benchmark": "bench_e2e", "dry_run": dry, "device": name, "device_uuid": uuid, "hbm_bytes_per_s": hbm,
+                  "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+                  "flashinfer": getattr(flashinfer, "__version__", None), "flashinfer_error": fi_err,
+                  "copy_bytes_per_s": copy_bw, "model": "LLaMA-3.1-8B shapes, random weights" if not dry else "tiny LLaMA (dry run)",
+                  "shapes": shapes, "reps": args.reps, "complete": final, "rows": rows}
+        if previous is not None:
+            report = merge_reports(previous, report)
+            for r in report["rows"]:
+                annotate(r, copy_bw, hbm)
+        if final:
+            print(_table(report["rows"]))
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps(report, indent=2) + "\n")
+            if final:
+                plot(report, Path(out).with_suffix(".png"))
+                print(f"wrote {out} and its .png")
+        return report
+
+    copy_bw = copy_bandwidth(device)
+    rows: list[dict] = []
+    save(rows)                                                # --append: refuses another GPU's rows up front
+    for B, context in points:
+        for weights in args.weights:
+            for path in paths:
+                if (weights == "fp8" and path not in args.fp8_paths) or (path == "hf_compile" and weights != "bf16"):
+                    continue
+                gc.collect()                                  # the last path's engine (reference cycles)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    free = torch.cuda.mem_get_info()[0]
+                    need = bytes_needed(shapes, B, context, weights)
+                    if need > free:
+                        rows.append({"path": path, "weights": weights, "batch": B, "context": context,
+                                     "skipped": f"needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"})
+                        print(json.dumps(rows[-1]), flush=True)
+                        continue
+                try:
+                    if path == "hf_compile":
+                        got = [run_hf_compile(model, B, context, args, device)]
+                    else:
+                        got = run_path(model, path, B, context, weights, args, device, flashinfer)
+                except Exception as exc:                      # noqa: BLE001 - one path failing must not stop the rest
+                    got = [{"path": path, "weights": weights, "batch": B, "context": context,
+                            "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}]
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                if device.type == "cuda":
+                    for r in got:
+                        r["cuda_allocated_gib_after"] = torch.cuda.memory_allocated() / 2**30
+                for r in got:
+                    annotate(r, copy_bw, hbm)
+                    if not r["path"].startswith("mac@"):
+                        print(json.dumps({k: v for k, v in r.items() if k != "trace"}), flush=True)
+                rows += got
+                save(rows)
+    report = save(rows, final=True)
+    return 1 if dry and any("error" in r for r in report["rows"]) else 0
 
 
 if __name__ == "__main__":

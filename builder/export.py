@@ -80,7 +80,7 @@ class _StepCache:
         self.new_keys: dict[int, torch.Tensor] = {}
         self.new_values: dict[int, torch.Tensor] = {}
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.new_keys[layer_idx], self.new_values[layer_idx] = key_states, value_states
         if self.keys is None:
             return key_states, value_states

@@ -101,22 +101,44 @@ class PluginBinding:
                          else self.trtp.from_shape_expr(tuple(spec[0]), dtype=self.to_trt_dtype(spec[1])))
         return tuple(descs)
 
-    @staticmethod
-    def launch(stream: int, launcher: Callable[..., Any], inputs: Sequence[Any], attrs: Sequence[Any],
+    def as_torch(self, t) -> Any:
+        """A torch view (no copy) of a ``tensorrt.plugin.Tensor`` on the GPU.
+
+        Built from its ``data_ptr`` / ``shape`` / ``strides`` (elements) / ``dtype``: TensorRT refuses
+        ``__cuda_array_interface__`` for BF16 and FP8, so the memory is presented to torch as an
+        integer array of the same element width and viewed as the tensor's dtype."""
+        import torch
+
+        dtype = self.to_torch_dtype(t.dtype)
+        size = torch.empty((), dtype=dtype).element_size()
+        raw = _CudaMemory(int(t.data_ptr), tuple(int(n) for n in t.shape), tuple(int(s) for s in t.strides), size)
+        return torch.as_tensor(raw, device="cuda").view(dtype)
+
+    def launch(self, stream: int, launcher: Callable[..., Any], inputs: Sequence[Any], attrs: Sequence[Any],
                outputs: Sequence[Any]) -> None:
         """``launcher(*inputs, *attrs, out=...)`` on TensorRT's ``stream``; every tensor a torch view of
-        TensorRT's buffer (no copy). ``outputs``: the buffers the launcher writes (aliased outputs are
+        TensorRT's buffer (``as_torch``). ``outputs``: the buffers the launcher writes (aliased outputs are
         written through their inputs), passed as ``out`` like the op returns them: one tensor, or a tuple."""
         import torch
 
-        ins = [torch.as_tensor(t, device="cuda") for t in inputs]
-        outs = tuple(torch.as_tensor(t, device="cuda") for t in outputs)
+        ins = [self.as_torch(t) for t in inputs]
+        outs = tuple(self.as_torch(t) for t in outputs)
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
             launcher(*ins, *attrs, out=outs[0] if len(outs) == 1 else outs)
 
     def aot(self, inputs: Sequence[Any], aot_image: Callable[..., AotImage], **attrs):
         """What an ``aot_impl`` returns for ``aot_image(shapes, dtypes, **attrs)`` over the input descriptors."""
         return image_to_tensorrt(self.trtp, self.apply(aot_image, inputs, **attrs))
+
+
+class _CudaMemory:
+    """GPU memory as torch reads it (``__cuda_array_interface__`` v3): ``shape``, ``strides`` in elements of
+    ``itemsize`` bytes, typed as the signed integer of that width (the caller views it as the real dtype)."""
+
+    def __init__(self, ptr: int, shape: tuple, strides: tuple, itemsize: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": shape, "typestr": f"<i{itemsize}" if itemsize > 1 else "|i1", "data": (ptr, False),
+            "strides": tuple(s * itemsize for s in strides), "stream": None, "version": 3}
 
 
 def register_all() -> tuple[str, ...]:

@@ -5,7 +5,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from macattn.core.validation import check_bool, check_int
+from macattn.core.validation import check_bool, check_choice, check_int
+from macattn.models.fused import QUANTIZATIONS
 
 __all__ = ["RuntimeConfig"]
 
@@ -30,7 +31,10 @@ class RuntimeConfig:
         the CPU it raises ``NotImplementedError``). On CUDA decode always runs the Triton plan
         over the paged pool (``runtime/paged_decode.py``); this only chooses graph or eager.
     fused_weights: run the model through ``macattn.models.fused.FusedForward`` (Q/K/V and
-        gate/up fused at load, RMSNorm with the residual add) instead of its transformers forward.
+        gate/up fused at load, the decode-step kernels between the projections) instead of its
+        transformers forward (FastMKA-patched models always run their transformers forward).
+    quantization: ``None`` or ``"fp8"`` (weight-only E4M3 projections, one scale per output
+        channel, quantised at load; needs ``fused_weights``).
     """
 
     max_batch_size: int = 8
@@ -39,7 +43,8 @@ class RuntimeConfig:
     num_blocks: int | None = None
     device: str = "cpu"
     use_cuda_graphs: bool = False
-    fused_weights: bool = False
+    fused_weights: bool = True
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         _positive_int("max_batch_size", self.max_batch_size)
@@ -48,6 +53,10 @@ class RuntimeConfig:
         _positive_int("num_blocks", self.num_blocks, allow_none=True)
         for name in ("use_cuda_graphs", "fused_weights"):
             check_bool(name, getattr(self, name))
+        check_choice("quantization", self.quantization, QUANTIZATIONS)
+        if self.quantization is not None and not self.fused_weights:
+            raise ValueError(f"quantization={self.quantization!r} needs fused_weights=True (the fused forward "
+                             "holds the quantised projections)")
         try:
             dev = torch.device(self.device)
         except (RuntimeError, TypeError) as exc:

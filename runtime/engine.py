@@ -21,7 +21,7 @@ from macattn.methods.registry import method_class
 
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.executor import ModelExecutor
-from macattn.runtime.sampling import SamplingParams, sample_next
+from macattn.runtime.sampling import SamplingParams
 from macattn.runtime.scheduler import Scheduler
 from macattn.runtime.sequence import Sequence
 from macattn.runtime.slots import SlotStates
@@ -136,7 +136,7 @@ class LLMEngine:
         if blocks.blocks_needed(total) > blocks.num_blocks:
             raise ValueError(f"input_ids too long: {total} tokens need {blocks.blocks_needed(total)} KV blocks, "
                              f"the pool has {blocks.num_blocks}")
-        return Sequence(prompt=ids, sampling=sampling, generator=sampling.make_generator())
+        return Sequence(prompt=ids, sampling=sampling, seed=sampling.make_seed())
 
     def add_request(self, input_ids, sampling: SamplingParams | None = None, **sampling_kwargs) -> int:
         """Validate and queue one request; returns its request id. Raises ``ValueError`` /
@@ -170,15 +170,16 @@ class LLMEngine:
         outputs: list[StepOutput] = []
         batch = self.scheduler.decode_batch()
         if batch:
-            logits = self.executor.decode(batch)
-            for seq, row in zip(batch, logits):
-                outputs.append(self._append(seq, row))
+            tokens, logits = self.executor.decode_step(batch)
+            for seq, token, row in zip(batch, tokens, logits):
+                outputs.append(self._append(seq, token, row))
         for seq in self.scheduler.admit():
-            outputs.append(self._append(seq, self.executor.prefill(seq)))
+            logits = self.executor.prefill(seq)
+            outputs.append(self._append(seq, self.executor.sample([seq], logits[None])[0], logits))
         return outputs
 
-    def _append(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
-        token = sample_next(logits, seq.sampling, seq.generator)
+    def _append(self, seq: Sequence, token: int, logits: torch.Tensor) -> StepOutput:
+        """Record ``token`` (sampled from ``logits [V]``) for ``seq``; finish it on end_id / length."""
         if seq.sampling.end_id is not None and token == seq.sampling.end_id:
             self.scheduler.finish(seq, "end_id")
             return StepOutput(seq.request_id, None, True, "end_id")

@@ -20,12 +20,13 @@ from macattn.methods.a3.backend import A3Prefill
 from macattn.methods.a3.config import A3Config
 from macattn.methods.base import AttentionMethod, StepContext
 from macattn.methods.mka.backend import FastMka
-from macattn.models.attention import bind
+from macattn.models.attention import bind, unbind
 from macattn.models.fused import FusedForward
 
 from macattn.runtime.block_manager import BlockManager
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.kv_cache import DecodeView, PagedKVCache, PrefillView
+from macattn.runtime.sampling import SamplingBatch, sample_tokens
 from macattn.runtime.sequence import Sequence
 
 __all__ = ["ModelExecutor", "PrefillIO"]
@@ -47,7 +48,22 @@ class ModelExecutor:
             register_kernels()
         self.method: AttentionMethod = method_factory(config.max_batch_size + gpu)
         self.binding = bind(self.model, self.method)
-        self.fused = FusedForward(self.model) if config.fused_weights else None
+        try:
+            self._build(hf, gpu)
+        except BaseException:
+            unbind(self.model)       # a failed construction leaves the model bound to nothing
+            raise
+
+    def _build(self, hf, gpu: bool) -> None:
+        config = self.config
+        # FastMKA (``macattn.models.mka.patch_mka`` applied before) composes with the method: its
+        # per-request session summary lives in runtime-owned rows (the same slots); it computes K/V
+        # through its own modules, so such a model runs its transformers forward
+        self.mka_ctx = getattr(self.model, "_mka_ctx", None)
+        if self.mka_ctx is not None and config.quantization is not None:
+            raise ValueError(f"quantization={config.quantization!r} is not available for FastMKA-patched models")
+        self.fused = (FusedForward(self.model, config.quantization)
+                      if config.fused_weights and self.mka_ctx is None else None)
         self.num_layers = hf.num_hidden_layers
         self.head_dim = self.method.dims.head_dim
         self.dtype = self.method.dims.dtype
@@ -56,9 +72,6 @@ class ModelExecutor:
         self.kv = None if not self.paged_kv else PagedKVCache(num_layers=self.num_layers, num_blocks=config.num_blocks + gpu,
                                block_size=config.block_size, num_kv_heads=hf.num_key_value_heads,
                                head_dim=self.head_dim, dtype=self.dtype, device=self.device)
-        # FastMKA (``macattn.models.mka.patch_mka`` applied before) composes with the method: its
-        # per-request session summary lives in runtime-owned rows (the same slots)
-        self.mka_ctx = getattr(self.model, "_mka_ctx", None)
         self.mka = None
         if self.mka_ctx is not None:
             self.mka = FastMka(self.mka_ctx.config, self.method.dims, num_slots=self.num_slots)
@@ -117,12 +130,33 @@ class ModelExecutor:
         with self.step(slots=torch.tensor([seq.slot], dtype=torch.int64)):
             return self.run_model(ids, pos, mask, view)[0]
 
+    @staticmethod
+    def sampling_rows(seqs: list[Sequence]) -> list[tuple]:
+        """``(params, seed, position of the token to generate)`` per request (``SamplingBatch.of``)."""
+        return [(s.sampling, s.seed, s.num_tokens) for s in seqs]
+
+    @torch.inference_mode()
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """Each request's next token from its row of ``logits [B, V]`` (``runtime.sampling``)."""
+        batch = SamplingBatch.of(self.sampling_rows(seqs), logits.device)
+        return sample_tokens(logits, batch, greedy_only=all(s.sampling.greedy for s in seqs)).tolist()
+
+    @torch.inference_mode()
+    def decode_step(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor]:
+        """One decode step with sampling: ``(next token per request, logits [B, V])``. On CUDA the
+        whole step — model and sampler — is one graph replay per batch bucket."""
+        if self.paged is not None:
+            tokens, logits = self.paged.step(seqs)
+            return tokens.tolist(), logits
+        logits = self.decode(seqs)
+        return self.sample(seqs, logits), logits
+
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed each request's last generated token at its position ``m = num_tokens - 1``.
         Returns logits ``[B, V]``."""
         if self.paged is not None:
-            return self.paged.decode(seqs)
+            return self.paged.step(seqs)[1]
         B = len(seqs)
         m = [s.num_tokens - 1 for s in seqs]
         ids = torch.tensor([[s.output[-1]] for s in seqs], dtype=torch.int64, device=self.device)

@@ -75,7 +75,10 @@ class DecodeView:
 class PagedWriteView:
     """GPU decode of ``B`` requests: writes each new token's K/V to ``write_rows [B]`` (static
     tensor, ``index_copy_``: capturable) and hands the attention the whole pool as pages
-    ``[num_blocks, block_size, Hkv, d]``; the MAC plan reads it through a page table."""
+    ``[num_blocks, block_size, Hkv, d]``; the MAC plan reads it through a page table.
+
+    Also a ``macattn.models.fused.PagedAppend``: ``FusedForward`` appends the rotated keys and the
+    values itself (one kernel with RoPE) through ``write_rows`` / ``pool`` and reads ``pages``."""
 
     def __init__(self, cache: PagedKVCache, write_rows: torch.Tensor) -> None:
         self.cache, self.write_rows = cache, write_rows
@@ -83,6 +86,13 @@ class PagedWriteView:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """> 0: a decode step continues cached requests (no host sync to say how far)."""
         return 1
+
+    def pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s flat pools ``(k, v)`` ``[num_blocks * block_size, Hkv, d]``."""
+        return self.cache.k[layer], self.cache.v[layer]
+
+    def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.pages(layer)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         k, v = self.cache.k[layer_idx], self.cache.v[layer_idx]

@@ -1,11 +1,14 @@
-"""GPU decode: the patched model over the paged KV pool with the Triton MAC plan, per batch
-bucket, replayed as a CUDA graph.
+"""GPU decode: the patched model over the paged KV pool with the Triton MAC plan, and the
+sampler, per batch bucket, replayed as one CUDA graph.
 
 FlashInfer's plan()/run() split, applied to the whole model step: per batch bucket
 ``nb`` (powers of two up to ``max_batch_size``) one ``DecodeBucket`` holds the static
-inputs (token ids, positions ``m``, ring slots, page table, KV write rows), one
+inputs (token ids, positions ``m``, ring slots, page table, KV write rows, sampling rows), one
 ``MacDecodePlan`` per distinct layer configuration (window, band, tau) and, with
-``use_cuda_graphs``, the captured step. ``decode`` pads a batch of ``B <= nb`` requests
+``use_cuda_graphs``, the captured steps: embedding -> layers -> final norm -> logits -> next
+tokens, one graph per sampler variant (``greedy``: argmax only; ``sampled``: temperature /
+top-k / top-p, captured the first time a batch has a sampling request). The host writes the
+inputs, replays, and reads the tokens back: the one synchronisation of a step. ``decode`` pads a batch of ``B <= nb`` requests
 with rows that point at a scratch ring slot and a scratch KV block (owned by the executor,
 never handed to a request), so padding never touches a request's state.
 
@@ -23,6 +26,7 @@ import torch
 
 from macattn.methods.mac.backend import MacAttention
 from macattn.runtime.kv_cache import PagedWriteView
+from macattn.runtime.sampling import SamplingBatch, sample_tokens
 
 __all__ = ["DecodeBucket", "PagedDecoder"]
 
@@ -35,8 +39,10 @@ class DecodeBucket:
 
     ids ``[nb, 1]`` int64, positions ``[nb]`` int64, slots ``[nb]`` int64, page_table
     ``[nb, max_pages]`` int32, write_rows ``[nb]`` int64 (flat pool row of position ``m``),
-    mask ``[nb, 1, 1, 1]`` bool (all true: the op masks by position). plans: layer params
-    -> ``MacDecodePlan``. match_pos: layer -> ``[nb, Hq]`` int64 written each step.
+    mask ``[nb, 1, 1, 1]`` bool (all true: the op masks by position), sampling: the rows'
+    ``SamplingBatch``. plans: layer params -> ``MacDecodePlan``. match_pos: layer -> ``[nb, Hq]``
+    int64 written each step. graphs / outputs: per sampler variant (``greedy``: bool), the captured
+    step and its ``(tokens [nb], logits [nb, V])``.
     """
 
     nb: int
@@ -46,10 +52,11 @@ class DecodeBucket:
     page_table: torch.Tensor
     write_rows: torch.Tensor
     mask: torch.Tensor
+    sampling: SamplingBatch
     plans: dict = field(default_factory=dict)
     match_pos: dict = field(default_factory=dict)
-    logits: torch.Tensor | None = None
-    graph: torch.cuda.CUDAGraph | None = None
+    graphs: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)
 
     def attend_full(self, q, k_pages, v_pages, positions):
         """Full attention over ``[0, m]`` of every request (the full-attention method)."""
@@ -77,7 +84,7 @@ class PagedDecoder:
         from macattn.plugins.decode_plan import MacDecodePlan
 
         self.ex = executor
-        self.use_cuda_graphs = use_cuda_graphs
+        self.use_cuda_graphs = use_cuda_graphs and executor.method.capabilities.cuda_graphs
         self._plan_cls = MacDecodePlan
         cfg = executor.config
         self.max_pages = -(-cfg.max_seq_len // cfg.block_size)
@@ -97,12 +104,14 @@ class PagedDecoder:
         hf = ex.model.config
         b = DecodeBucket(
             nb=nb,
-            ids=torch.zeros(nb, 1, dtype=torch.int64, device=dev),
-            positions=torch.zeros(nb, dtype=torch.int64, device=dev),
-            slots=torch.full((nb,), ex.scratch_slot, dtype=torch.int64, device=dev),
-            page_table=torch.full((nb, self.max_pages), ex.scratch_block, dtype=torch.int32, device=dev),
-            write_rows=torch.full((nb,), ex.scratch_block * ex.config.block_size, dtype=torch.int64, device=dev),
-            mask=torch.ones(nb, 1, 1, 1, dtype=torch.bool, device=dev))
+            ids=torch.empty(nb, 1, dtype=torch.int64, device=dev),
+            positions=torch.empty(nb, dtype=torch.int64, device=dev),
+            slots=torch.empty(nb, dtype=torch.int64, device=dev),
+            page_table=torch.empty(nb, self.max_pages, dtype=torch.int32, device=dev),
+            write_rows=torch.empty(nb, dtype=torch.int64, device=dev),
+            mask=torch.ones(nb, 1, 1, 1, dtype=torch.bool, device=dev),
+            sampling=SamplingBatch.empty(nb, dev))
+        self._write_inputs(b, [])
         def plan(window: int, band: int, tau: float | None):
             return self._plan_cls(
                 batch_size=nb, max_context=ex.config.max_seq_len, num_q_heads=hf.num_attention_heads,
@@ -118,57 +127,75 @@ class PagedDecoder:
                     b.plans[key] = plan(p.window, p.band, p.tau)
         else:
             b.plans[FULL_PLAN] = plan(1, 0, None)
-        if self.use_cuda_graphs:
-            # warm-up and capture on scratch rows only (slot, block, position 0): no request state is touched
-            s = torch.cuda.Stream(dev)
-            s.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    self._forward(b)
-            torch.cuda.current_stream(dev).wait_stream(s)
-            b.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(b.graph):
-                b.logits = self._forward(b)
         return b
 
-    def _forward(self, b: DecodeBucket) -> torch.Tensor:
+    def _capture(self, b: DecodeBucket, greedy: bool) -> None:
+        """Capture ``b``'s whole step with the ``greedy`` sampler variant (warm-up first, on the
+        bucket's scratch rows only: slot, block, position 0 — no request's state is touched)."""
+        dev = self.ex.device
+        self._write_inputs(b, [])
+        s = torch.cuda.Stream(dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self._forward(b, greedy)
+        torch.cuda.current_stream(dev).wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            b.outputs[greedy] = self._forward(b, greedy)
+        b.graphs[greedy] = graph
+
+    def _forward(self, b: DecodeBucket, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         ex = self.ex
         with ex.step(slots=b.slots, positions=b.positions, paged=b):
-            return ex.run_model(b.ids, b.positions.view(b.nb, 1), b.mask, PagedWriteView(ex.kv, b.write_rows))
+            logits = ex.run_model(b.ids, b.positions.view(b.nb, 1), b.mask, PagedWriteView(ex.kv, b.write_rows))
+        return sample_tokens(logits, b.sampling, greedy_only=greedy), logits
+
+    def _write_inputs(self, b: DecodeBucket, seqs) -> None:
+        """Write ``seqs``' step inputs into ``b``'s static tensors; rows past ``len(seqs)`` (all of them
+        for ``[]``) point at the scratch slot, block and position 0."""
+        ex = self.ex
+        nb, bs = b.nb, ex.config.block_size
+        m = [s.num_tokens - 1 for s in seqs]
+        pad = nb - len(seqs)
+        table = torch.full((nb, self.max_pages), ex.scratch_block, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            table[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        rows = [s.block_table[x // bs] * bs + x % bs for s, x in zip(seqs, m)] + [ex.scratch_block * bs] * pad
+        b.ids.copy_(torch.tensor([[s.output[-1]] for s in seqs] + [[0]] * pad), non_blocking=True)
+        b.positions.copy_(torch.tensor(m + [0] * pad), non_blocking=True)
+        b.slots.copy_(torch.tensor([s.slot for s in seqs] + [ex.scratch_slot] * pad), non_blocking=True)
+        b.page_table.copy_(table, non_blocking=True)
+        b.write_rows.copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
+        b.sampling.copy_(SamplingBatch.of(ex.sampling_rows(seqs), "cpu", pad_to=nb))
 
     # --- one step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, seqs) -> torch.Tensor:
-        """Logits ``[B, V]`` of each request's token at ``m = num_tokens - 1``; writes its K/V and
-        appends to its rings."""
+    def step(self, seqs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(next tokens [B] int64 on the CPU, logits [B, V])`` of each request's token at
+        ``m = num_tokens - 1``; writes its K/V and appends to its rings."""
         ex = self.ex
         B = len(seqs)
         nb = self.bucket_size(B)
         b = self.buckets.get(nb)
         if b is None:
             b = self.buckets[nb] = self._new_bucket(nb)
-        bs = ex.config.block_size
-        m = [s.num_tokens - 1 for s in seqs]
-        table = torch.full((nb, self.max_pages), ex.scratch_block, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            table[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        rows = torch.full((nb,), ex.scratch_block * bs, dtype=torch.int64)
-        rows[:B] = torch.tensor([s.block_table[x // bs] * bs + x % bs for s, x in zip(seqs, m)], dtype=torch.int64)
-        pad = nb - B
-        b.ids.copy_(torch.tensor([[s.output[-1]] for s in seqs] + [[0]] * pad), non_blocking=True)
-        b.positions.copy_(torch.tensor(m + [0] * pad), non_blocking=True)
-        b.slots.copy_(torch.tensor([s.slot for s in seqs] + [ex.scratch_slot] * pad), non_blocking=True)
-        b.page_table.copy_(table, non_blocking=True)
-        b.write_rows.copy_(rows, non_blocking=True)
-        if b.graph is not None:
-            b.graph.replay()
-            logits = b.logits[:B].clone()
+        greedy = all(s.sampling.greedy for s in seqs)
+        if self.use_cuda_graphs and greedy not in b.graphs:
+            self._capture(b, greedy)
+        self._write_inputs(b, seqs)
+        if self.use_cuda_graphs:
+            b.graphs[greedy].replay()
+            tokens, logits = b.outputs[greedy]
+            logits = logits[:B].clone()
         else:
-            logits = self._forward(b)[:B]
+            tokens, logits = self._forward(b, greedy)
+            logits = logits[:B]
+        tokens = tokens[:B].cpu()
         method = ex.method
         if isinstance(method, MacAttention):
             for layer, mp in b.match_pos.items():
                 if method.collect_diagnostics:
                     method.state.diagnostics.record(layer, mp[:B], b.positions[:B], method.config.for_layer(layer).band)
                 method.last_match_pos[layer] = mp[:B]
-        return logits
+        return tokens, logits

@@ -1,18 +1,25 @@
-"""Per-request sampling parameters (TensorRT-LLM names) and the sampler.
+"""Per-request sampling parameters (TensorRT-LLM names) and the batched sampler.
 
 Greedy iff ``top_k == 1`` or (``top_k == 0`` and ``top_p == 0``), as in TensorRT-LLM;
 otherwise logits are divided by ``temperature``, cut to the ``top_k`` largest (0 = no cut)
-and to the smallest set with cumulative probability ``>= top_p`` (0 = no cut), then one
-token is drawn with the request's own ``torch.Generator`` (seeded by ``random_seed``).
+and to the smallest set with cumulative probability ``>= top_p`` (0 = no cut; values tied with
+the last kept one are kept), then one token is drawn.
+
+``sample_tokens`` samples a whole batch on the logits' device with no host synchronisation, so
+it runs inside the decode step's CUDA graph. The draw is the Gumbel-max trick over counter-based
+uniforms: row ``b``'s noise is a hash of (its request's ``seed``, the position being generated,
+the token id) — a request's tokens depend on its seed and its own logits only, never on the batch
+it ran in, the device's RNG state or how many graphs were replayed before.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, fields
 
 import torch
 
-__all__ = ["SamplingParams", "sample_next"]
+__all__ = ["SamplingParams", "SamplingBatch", "sample_tokens"]
 
 
 def _is_int(x) -> bool:
@@ -65,28 +72,81 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.top_k == 1 or (self.top_k == 0 and self.top_p == 0.0)
 
-    def make_generator(self) -> torch.Generator | None:
-        if self.greedy:
-            return None
-        g = torch.Generator()
-        g.manual_seed(self.random_seed if self.random_seed is not None else torch.seed())
-        return g
+    def make_seed(self) -> int:
+        """The request's sampling seed: ``random_seed``, or a fresh random one."""
+        return self.random_seed if self.random_seed is not None else secrets.randbits(62)
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Next token id from ``logits [V]`` (any float dtype) under ``params``."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    x = logits.detach().to("cpu", torch.float64) / params.temperature
-    if params.top_k > 0 and params.top_k < x.numel():
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if 0.0 < params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = (sorted_p.cumsum(0) - sorted_p) < params.top_p     # smallest prefix reaching top_p
-        mask = torch.zeros_like(probs, dtype=torch.bool)
-        mask[order[keep]] = True
-        probs = torch.where(mask, probs, torch.zeros_like(probs))
-        probs = probs / probs.sum()
-    return int(torch.multinomial(probs, 1, generator=generator))
+@dataclass(frozen=True)
+class SamplingBatch:
+    """One step's per-row sampling inputs, ``[B]`` tensors on the logits' device: temperature fp32,
+    top_k int64, top_p fp32, seed int64, position int64 (of the token being generated)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
+    position: torch.Tensor
+
+    @staticmethod
+    def of(rows: list[tuple[SamplingParams, int, int]], device, pad_to: int | None = None) -> "SamplingBatch":
+        """``rows``: ``(params, seed, position)`` per request; padded (greedy rows) to ``pad_to``."""
+        n = len(rows) if pad_to is None else pad_to
+        greedy = (SamplingParams(), 0, 0)
+        rows = list(rows) + [greedy] * (n - len(rows))
+        cols = list(zip(*[(p.temperature, p.top_k, p.top_p, s, pos) for p, s, pos in rows])) or [()] * 5
+        dtypes = (torch.float32, torch.int64, torch.float32, torch.int64, torch.int64)
+        return SamplingBatch(*(torch.tensor(c, dtype=dt).to(device, non_blocking=True) for c, dt in zip(cols, dtypes)))
+
+    @staticmethod
+    def empty(n: int, device) -> "SamplingBatch":
+        """Static rows (a CUDA-graph bucket's), greedy until written."""
+        return SamplingBatch.of([], device, pad_to=n)
+
+    def copy_(self, other: "SamplingBatch") -> None:
+        """Write ``other``'s rows into these (same length)."""
+        for f in fields(self):
+            getattr(self, f.name).copy_(getattr(other, f.name), non_blocking=True)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two xor-shift-multiply rounds) of int64 ``x`` in ``[0, 2^32)``; the
+    multiplier is below 2^27 so no product overflows int64."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    return (x >> 16) ^ x
+
+
+def _uniforms(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[B, V]`` fp32 uniforms in (0, 1), a pure function of (seed, position, token id)."""
+    key = _mix32((seed & _M32) ^ _mix32(((seed >> 32) & _M32) ^ _mix32(position & _M32)))
+    ids = _mix32(torch.arange(vocab, device=seed.device, dtype=torch.int64))
+    bits = _mix32(key[:, None] ^ ids[None, :]) >> 8                     # 24 bits: exact in fp32
+    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+
+
+def sample_tokens(logits: torch.Tensor, batch: SamplingBatch, *, greedy_only: bool = False) -> torch.Tensor:
+    """Next token ids ``[B]`` int64 from ``logits [B, V]`` (any float dtype) under each row's
+    parameters. ``greedy_only``: every row is greedy (argmax only; the caller knows). No host sync."""
+    best = logits.argmax(dim=-1)
+    if greedy_only:
+        return best
+    V = logits.shape[-1]
+    x = logits.float() / batch.temperature[:, None]
+    ordered = x.sort(dim=-1, descending=True).values
+    rank = torch.arange(V, device=x.device)
+    k = torch.where(batch.top_k > 0, batch.top_k, V)
+    keep = rank[None, :] < k[:, None]
+    probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")), dim=-1)
+    use_p = (batch.top_p > 0) & (batch.top_p < 1)
+    keep &= ~use_p[:, None] | ((probs.cumsum(-1) - probs) < batch.top_p[:, None])
+    last_kept = ordered.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
+    gumbel = -torch.log(-torch.log(_uniforms(batch.seed, batch.position, V)))
+    drawn = (x.masked_fill(x < last_kept, float("-inf")) + gumbel).argmax(dim=-1)
+    greedy = (batch.top_k == 1) | ((batch.top_k == 0) & (batch.top_p == 0))
+    return torch.where(greedy, best, drawn)
+
+

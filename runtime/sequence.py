@@ -5,8 +5,6 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-import torch
-
 from macattn.runtime.sampling import SamplingParams
 
 __all__ = ["SequenceStatus", "Sequence"]
@@ -36,7 +34,7 @@ class Sequence:
     slot: int | None = None
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None          # "length" | "end_id" | "aborted"
-    generator: torch.Generator | None = field(default=None, repr=False)
+    seed: int = 0                             # sampling seed (``SamplingParams.make_seed``)
     # A3 fused prefill: (RagPrompt, A3Config, ChunkKVStore | None); see runtime/a3_assembly.py
     rag: tuple | None = field(default=None, repr=False)
 

@@ -10,7 +10,7 @@ import torch
 from macattn.methods.mac.config import MacConfig
 from macattn.models.attention import patch_model
 from macattn.models.builtin import FAMILIES, build_builtin_model
-from macattn.models.fused import FusedForward, add_rms_norm, rms_norm
+from macattn.models.fused import FusedForward
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.engine import LLMEngine
 
@@ -34,14 +34,14 @@ def _logit_trace(family, mac, fused, ps):
     while eng.has_unfinished():                 # the engine's own schedule; record every logit row
         batch = eng.scheduler.decode_batch()
         if batch:
-            logits = eng.executor.decode(batch)
-            for s, row in zip(batch, logits):
+            tokens, logits = eng.executor.decode_step(batch)
+            for s, token, row in zip(batch, tokens, logits):
                 trace.append(row)
-                eng._append(s, row)
+                eng._append(s, token, row)
         for s in eng.scheduler.admit():
             row = eng.executor.prefill(s)
             trace.append(row)
-            eng._append(s, row)
+            eng._append(s, eng.executor.sample([s], row[None])[0], row)
     return torch.stack(trace), [s.output for s in seqs]
 
 
@@ -73,18 +73,10 @@ def test_fused_weights_are_the_concatenated_projections():
     assert attn.k_proj.weight.data_ptr() == layer.qkv_weight[attn.q_proj.out_features:].data_ptr()
     assert attn.v_proj.bias.data_ptr() == layer.qkv_bias[-attn.v_proj.out_features:].data_ptr()
     assert mlp.up_proj.weight.data_ptr() == layer.gate_up_weight[mlp.gate_proj.out_features:].data_ptr()
-
-
-def test_add_rms_norm_matches_the_model_norm():
-    model = build_builtin_model("llama", seed=0, **SMALL)
-    norm = model.model.layers[0].input_layernorm
-    x, r = torch.randn(3, 5, 64), torch.randn(3, 5, 64)
-    with torch.no_grad():
-        norm.weight.uniform_(0.5, 1.5)
-        h, s = add_rms_norm(x, r, norm.weight, norm.variance_epsilon)
-        torch.testing.assert_close(s, x + r, rtol=0, atol=0)
-        torch.testing.assert_close(h, norm(x + r), rtol=0, atol=0)
-        torch.testing.assert_close(rms_norm(x, norm.weight, norm.variance_epsilon), norm(x), rtol=0, atol=0)
+    again = FusedForward(model).layers[1]     # a second engine on the same model: the same storage again
+    assert again.qkv_weight.data_ptr() == layer.qkv_weight.data_ptr() and torch.equal(again.qkv_weight, layer.qkv_weight)
+    assert again.qkv_bias.data_ptr() == layer.qkv_bias.data_ptr()
+    assert again.gate_up_weight.data_ptr() == layer.gate_up_weight.data_ptr()
 
 
 def test_fused_forward_needs_a_bound_model():

@@ -31,10 +31,18 @@ class TensorDesc:
 
 
 class Tensor:
-    """A TensorRT tensor: torch reads it through ``__cuda_array_interface__``."""
+    """A ``tensorrt.plugin.Tensor`` as its impl sees it: ``data_ptr``, ``shape``, ``strides`` (elements),
+    ``dtype``; like TensorRT's, ``__cuda_array_interface__`` refuses BF16 (so the binding must not need it)."""
 
     def __init__(self, t: torch.Tensor):
-        self.__cuda_array_interface__ = t.__cuda_array_interface__
+        self.data_ptr, self.shape, self.strides, self.dtype = t.data_ptr(), tuple(t.shape), t.stride(), TRT[t.dtype]
+        self._t = t
+
+    @property
+    def __cuda_array_interface__(self):
+        if self.dtype == "trt.bfloat16":
+            raise ValueError("Handling DataType.BF16 via '__cuda_array_interface__' is not supported")
+        return self._t.__cuda_array_interface__
 
 
 class KernelLaunchParams:

@@ -79,7 +79,8 @@ def _attn_pre(ctx: MkaContext, layer: int, hidden_size: int):
     def hook(module, args, kwargs):
         x = kwargs.get("hidden_states", args[0] if args else None)
         B = x.shape[0]
-        fresh = _cache_len(kwargs.get("past_key_values"), layer) == 0
+        # transformers >= 5.2x names it ``cache``; earlier releases ``past_key_values``
+        fresh = _cache_len(kwargs.get("cache", kwargs.get("past_key_values")), layer) == 0
         if ctx.state is not None:
             rows = ctx.rows()
             if rows is None or rows.shape != (B,):

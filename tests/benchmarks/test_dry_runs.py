@@ -1,0 +1,23 @@
+"""The GPU benchmark scripts run end to end on the CPU (``--dry-run``: tiny shapes, no timing), so a
+script broken by a change fails here rather than on the device."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("script,expect", [
+    ("bench_e2e.py", "B x ctx"),
+    ("eval_fp8.py", "greedy agree"),
+    ("bench_fp8_linear.py", "max |fp8_linear - reference|"),
+])
+def test_benchmark_dry_run(script, expect):
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--dry-run"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert expect in run.stdout, run.stdout[-3000:]
