@@ -80,7 +80,7 @@ class LLMEngine:
         config = (config or RuntimeConfig()).resolved(model.config.max_position_embeddings)
         self.config = config
         self.mac_config = mac_config if mac_config is not None else MacConfig(enabled=False)
-        self.mac_config.require_full_misses("ModelRunner")
+        self.mac_config.require_engine_support("ModelRunner")
         factory = method if callable(method) else self._factory(model, method, method_config, method_kwargs or {})
         self.executor = ModelExecutor(model, factory, config)
         self.method = self.executor.method

@@ -9,8 +9,9 @@ from macattn.core.threshold import match_threshold
 from .._triton_util import default_pdl, num_sms
 from ..aot import destination
 from .kernel import check_match_inputs, launch_match, match_meta
+from .two_stage import check_two_stage_inputs, launch_two_stage_match, two_stage_meta
 
-__all__ = ["MacMatchLauncher"]
+__all__ = ["MacMatchLauncher", "TwoStageMatchLauncher"]
 
 
 class MacMatchLauncher:
@@ -52,4 +53,39 @@ class MacMatchLauncher:
         launch_match(q_pre, qring, ring_pos, ring_lse, slots, positions, meta=meta, part_d2=part_d2,
                      part_pos=part_pos, part_lse=part_lse, counter=counter, match_pos=match_pos, dist=dist,
                      band=band, thr=match_threshold(d, tau), finish=True, pdl=default_pdl(dev))
+        return match_pos, dist
+
+
+class TwoStageMatchLauncher:
+    """The two-stage match (``two_stage.py``) with the exact match's contract plus the sketches:
+    ``(q_pre, q_sketch, qring, sring, ring_lse, ring_pos, slots, positions, band, tau, candidates)``
+    -> ``(match_pos [B, Hq] int64, dist [B, Hq] fp32)``; owns the partials, one set per (device, size).
+    Same function as ``macattn.methods.mac.reference.mac_match_two_stage_reference`` when ``q_sketch``
+    and ``sring`` are the sketches (``macattn.methods.mac.match_sketch``) of ``q_pre`` and ``qring``."""
+
+    def __init__(self) -> None:
+        self._scratch: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+    def _buffers(self, dev: torch.device, n: int) -> tuple[torch.Tensor, ...]:
+        if (dev, n) not in self._scratch:
+            self._scratch[(dev, n)] = (torch.empty(n, dtype=torch.float32, device=dev),
+                                       torch.empty(n, dtype=torch.float32, device=dev),
+                                       torch.empty(n, dtype=torch.int32, device=dev))
+        return self._scratch[(dev, n)]
+
+    def __call__(self, q_pre: torch.Tensor, q_sketch: torch.Tensor, qring: torch.Tensor, sring: torch.Tensor,
+                 ring_lse: torch.Tensor, ring_pos: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                 band: int, tau: float, candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+        check_two_stage_inputs(q_pre, q_sketch, qring, sring, ring_lse, ring_pos, slots, positions)
+        B, Hq, d = q_pre.shape
+        dev = q_pre.device
+        match_pos = torch.empty(B, Hq, dtype=torch.int64, device=dev)
+        dist = torch.empty(B, Hq, dtype=torch.float32, device=dev)
+        if B == 0:
+            return match_pos, dist
+        meta = two_stage_meta(B, Hq, qring.shape[2], d, candidates, num_sms(dev))
+        part_a, part_e, part_k = self._buffers(dev, B * Hq * meta.NS * meta.C)
+        launch_two_stage_match(q_pre, q_sketch, qring, sring, ring_pos, ring_lse, slots, positions, meta=meta,
+                               part_a=part_a, part_e=part_e, part_k=part_k, match_pos=match_pos, dist=dist,
+                               band=band, thr=match_threshold(d, tau))
         return match_pos, dist

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
     ("bench_e2e.py", "B x ctx"),
     ("eval_fp8.py", "greedy agree"),
     ("bench_fp8_linear.py", "max |fp8_linear - reference|"),
+    ("eval_two_stage_match.py", "agree exact"),
 ])
 def test_benchmark_dry_run(script, expect):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--dry-run"], cwd=ROOT,

@@ -146,14 +146,20 @@ def _reference(model, prompt: torch.Tensor, answer: list, steps: int) -> tuple[l
 
 
 def run_eval(model, methods: Sequence[EvalMethod], settings: EvalSettings, *, encode: Callable,
-             haystack_ids: Sequence[int], bos: Sequence[int] = (), progress: bool = True) -> dict:
-    """Evaluate ``methods`` against full attention on ``model``; returns the JSON-able result dict."""
+             haystack_ids: Sequence[int], bos: Sequence[int] = (), progress: bool = True,
+             baseline: str | None = None) -> dict:
+    """Evaluate ``methods`` against full attention on ``model``; returns the JSON-able result dict.
+
+    baseline: the name of one of ``methods``; every method then also reports
+    ``greedy_agreement_vs_baseline`` (its teacher-forced argmax against the baseline's, step by step)."""
     samples = make_samples(settings, encode, haystack_ids, bos)
     names = [m.name for m in methods]
     if len(set(names)) != len(names) or "full" in names:
         raise ValueError(f"method names must be distinct and not 'full', got {names}")
     acc = {name: {} for name in ["full", *names]}
-    stats = {m.name: dict(agree=0, steps=0, gaps=[]) for m in methods}
+    if baseline is not None and baseline not in names:
+        raise ValueError(f"baseline must be one of the methods' names {names}, got {baseline!r}")
+    stats = {m.name: dict(agree=0, steps=0, gaps=[], agree_baseline=0) for m in methods}
     for m in methods:
         m.recorder = None
     bar = tqdm(total=len(samples) * (1 + len(methods)), desc="eval", disable=not progress)
@@ -163,13 +169,17 @@ def run_eval(model, methods: Sequence[EvalMethod], settings: EvalSettings, *, en
         forced, ref = _reference(model, prompt, s.answer, max(settings.gen, len(s.answer) + 1))
         acc["full"].setdefault(key, []).append(ref[:len(s.answer)] == s.answer)
         bar.update()
+        tokens = {}
         for m in methods:
-            own = m.run(model, prompt, len(ref), forced)
+            own = tokens[m.name] = m.run(model, prompt, len(ref), forced)
             acc[m.name].setdefault(key, []).append(own[:len(s.answer)] == s.answer)
             st = stats[m.name]
             st["agree"] += sum(a == b for a, b in zip(own, ref))
             st["steps"] += len(ref)
             bar.update()
+        if baseline is not None:
+            for name, own in tokens.items():
+                stats[name]["agree_baseline"] += sum(a == b for a, b in zip(own, tokens[baseline]))
     bar.close()
     cfg = model.config
     out = dict(settings=asdict(settings), model=dict(
@@ -191,6 +201,8 @@ def run_eval(model, methods: Sequence[EvalMethod], settings: EvalSettings, *, en
             else:
                 entry.update(_summarise(rec, agree, steps))
                 entry["error_vs_gap"] = _gap_bins(rec.hit_gap_error)
+            if baseline is not None:
+                entry.update(baseline=baseline, greedy_agreement_vs_baseline=stats[name]["agree_baseline"] / steps)
         out["methods"][name] = entry
     return out
 

@@ -187,6 +187,8 @@ class Mac(EvalMethod):
         self.states: dict[int, CompletionOnMiss] = {}
         if name is None:
             pol = "+completion" if config.miss_policy == "completion" else ""
+            if config.match == "two_stage":
+                pol += f"+two_stage({config.match_sketch},c={config.match_candidates})"
             name = (f"mac{pol}(tau={config.tau},K={config.window},r={config.band})" if not config.layer_overrides
                     else f"mac{pol}(per-layer)")
         self.name = name
@@ -205,7 +207,8 @@ class Mac(EvalMethod):
         comp = self.states.get(layer) if p.miss_policy == "completion" else None
         res = mac_decode_step_reference(q, q_pre, key, value, positions, mac.slots, *mac.state.layer(layer),
                                         band=p.band, tau=p.tau, enabled=p.enabled, scale=scale,
-                                        miss_policy=p.miss_policy, completion=comp)
+                                        miss_policy=p.miss_policy, completion=comp, match=p.match,
+                                        match_sketch=p.match_sketch, match_candidates=p.match_candidates)
         m = positions.view(-1, 1).expand_as(res.match_pos)
         miss_read = (m + 1).double()
         if comp is not None:

@@ -199,6 +199,6 @@ def test_completion_miss_policy_is_rejected_where_not_implemented():
 
     cfg = MacConfig(window=8, band=2).with_overrides({1: {"miss_policy": "completion"}})
     assert MacConfig.from_dict(cfg.to_dict()) == cfg
-    MacConfig().require_full_misses("x")
+    MacConfig().require_engine_support("x")
     with pytest.raises(ValueError, match=r"miss_policy='completion'.*ModelRunner.*\[1\]"):
         ModelRunner.from_hf(build_builtin_model("llama"), cfg)

@@ -15,12 +15,16 @@ from macattn.core.threshold import match_threshold
 from macattn.core.validation import check_bool, check_choice, check_int, check_tau
 
 __all__ = ["LayerMacParams", "MacConfig", "CONTEXT_HEAVY_TAU", "GENERATION_HEAVY_TAU", "MISS_POLICIES",
-           "ENGINE_MISS_POLICIES"]
+           "ENGINE_MISS_POLICIES", "MATCH_MODES", "ENGINE_MATCH_MODES", "MATCH_SKETCHES", "MATCH_CANDIDATES"]
 
 CONTEXT_HEAVY_TAU = 0.45
 GENERATION_HEAVY_TAU = 0.75
 MISS_POLICIES = ("full", "completion")
 ENGINE_MISS_POLICIES = ("full",)   # what the engine and the graph export run (the CPU reference: all)
+MATCH_MODES = ("exact", "two_stage")
+ENGINE_MATCH_MODES = ("exact",)    # the GPU kernels' match (the CPU reference and macattn eval: all)
+MATCH_SKETCHES = ("fp8", "proj32", "proj16", "proj32_fp8")   # ``macattn.methods.mac.match_sketch``
+MATCH_CANDIDATES = (1, 2, 4, 8, 16)   # powers of two: the kernels' candidate lists are register arrays
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,12 @@ class LayerMacParams:
     paper) or ``"completion"`` (Top-k retrieval + linear-attention completion of the
     prefill's mid region, SPEC §3; see ``macattn.methods.mac.completion_on_miss``). Only the CPU
     reference step and ``macattn eval`` / ``macattn tune`` honour ``"completion"``; the
-    runtime and ``macattn build`` reject it (``MacConfig.require_full_misses``).
+    runtime and ``macattn build`` reject it (``MacConfig.require_engine_support``).
+    match:  ``"exact"`` (the nearest ring entry by bf16 L2 distance, the paper) or ``"two_stage"``: the
+    ``match_candidates`` nearest entries under the compressed ring ``match_sketch`` (one of
+    ``MATCH_SKETCHES``: E4M3 of the entry, a fixed random projection to 32 / 16 dims, or both), then
+    the exact distance of those candidates and the exact threshold — an accepted match always passes
+    the exact test. The CPU reference and ``macattn eval`` honour it; the engine runs ``"exact"``.
     """
 
     window: int = 1024
@@ -43,6 +52,9 @@ class LayerMacParams:
     tau: float = CONTEXT_HEAVY_TAU
     enabled: bool = True
     miss_policy: str = "full"
+    match: str = "exact"
+    match_sketch: str = "fp8"
+    match_candidates: int = 4
 
     def __post_init__(self) -> None:
         check_int("window", self.window, 1)
@@ -50,6 +62,9 @@ class LayerMacParams:
         check_tau("tau", self.tau)
         check_bool("enabled", self.enabled)
         check_choice("miss_policy", self.miss_policy, MISS_POLICIES)
+        check_choice("match", self.match, MATCH_MODES)
+        check_choice("match_sketch", self.match_sketch, MATCH_SKETCHES)
+        check_choice("match_candidates", self.match_candidates, MATCH_CANDIDATES)
         object.__setattr__(self, "tau", float(self.tau))
 
     def threshold(self, head_dim: int) -> float:
@@ -57,7 +72,8 @@ class LayerMacParams:
         return match_threshold(head_dim, self.tau)
 
 
-_LAYER_FIELDS = ("window", "band", "tau", "enabled", "miss_policy")
+_LAYER_FIELDS = ("window", "band", "tau", "enabled", "miss_policy", "match", "match_sketch", "match_candidates")
+_DEFAULTS_LEFT_OUT = {"miss_policy": "full", "match": "exact", "match_sketch": "fp8", "match_candidates": 4}
 
 
 @dataclass(frozen=True)
@@ -118,15 +134,24 @@ class MacConfig(LayerMacParams):
                 fields.update(dict(override))
         return LayerMacParams(**fields)
 
-    def require_full_misses(self, where: str) -> None:
-        """Raise ``ValueError`` if any layer asks for a miss policy outside ``ENGINE_MISS_POLICIES``:
-        ``where`` (the engine, the ONNX export) runs full-attention misses only."""
-        layers = sorted({0, *(i for i, _ in self.layer_overrides)})
-        bad = [i for i in layers if self.for_layer(i).miss_policy not in ENGINE_MISS_POLICIES]
-        if self.miss_policy not in ENGINE_MISS_POLICIES or bad:
-            raise ValueError(f"miss_policy='completion' is honoured by the CPU reference, macattn eval and macattn "
-                             f"tune only; {where} supports miss_policy in {ENGINE_MISS_POLICIES} "
-                             f"(layers asking otherwise: {bad or 'all'})")
+    def require_engine_support(self, where: str) -> None:
+        """Raise ``ValueError`` if any layer asks for a miss policy outside ``ENGINE_MISS_POLICIES`` or a
+        match outside ``ENGINE_MATCH_MODES``: ``where`` (the engine, the ONNX export) runs the GPU
+        kernels' full-attention misses and exact match only."""
+        overridden = [i for i, _ in self.layer_overrides]
+        for name, allowed, honoured in (("miss_policy", ENGINE_MISS_POLICIES, "the CPU reference, macattn eval and "
+                                                                               "macattn tune"),
+                                        ("match", ENGINE_MATCH_MODES, "the CPU reference and macattn eval")):
+            bad = [i for i in overridden if getattr(self.for_layer(i), name) not in allowed]
+            value = getattr(self, name)
+            if value in allowed and not bad:
+                continue
+            if value in allowed:
+                value, asking = getattr(self.for_layer(bad[0]), name), f"layers {bad}"
+            else:
+                asking = "every layer without an override" + (f" and layers {bad}" if bad else "")
+            raise ValueError(f"{name}={value!r} is honoured by {honoured} only; {where} supports {name} in "
+                             f"{allowed} (asking otherwise: {asking})")
 
     def with_overrides(self, overrides: Mapping[int, Mapping[str, Any]]) -> "MacConfig":
         merged = {idx: dict(f) for idx, f in self.layer_overrides}
@@ -137,8 +162,9 @@ class MacConfig(LayerMacParams):
     # --- per-layer file (written by `macattn tune`, read by `macattn build` and ModelRunner)
     def to_dict(self) -> dict:
         d = asdict(self)
-        if d["miss_policy"] == "full":   # the default stays out: files and engine manifests keep their old form
-            del d["miss_policy"]
+        for name, default in _DEFAULTS_LEFT_OUT.items():   # files and engine manifests keep their old form
+            if d[name] == default:
+                del d[name]
         d["layer_overrides"] = {str(i): dict(f) for i, f in self.layer_overrides}
         return d
 

@@ -35,10 +35,14 @@ from macattn.core.attention import check_step_shapes as _check_step_shapes, expa
 from macattn.core.threshold import match_threshold
 
 from macattn.core.summaries import AttentionSummary, merge_summaries, summarize
+from macattn.core.validation import check_choice
+from macattn.methods.mac.config import MATCH_MODES
+from macattn.methods.mac.match_sketch import sketch as sketch_fn
 
 __all__ = [
     "MacStepResult",
     "mac_match_reference",
+    "mac_match_two_stage_reference",
     "mac_attend_reference",
     "ring_append_reference",
     "mac_decode_step_reference",
@@ -86,6 +90,42 @@ def mac_match_reference(q_pre: torch.Tensor, qring: torch.Tensor, ring_lse: torc
     lse = torch.gather(ring_lse[slots], 2, best_slot.unsqueeze(-1)).squeeze(-1)
     thr = match_threshold(d, tau)
     hit = (dist < thr) & (p - band >= 0) & torch.isfinite(lse)
+    return torch.where(hit, p, torch.full_like(p, -1)), dist
+
+
+def mac_match_two_stage_reference(q_pre: torch.Tensor, qring: torch.Tensor, ring_lse: torch.Tensor,
+                                  ring_pos: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, *,
+                                  band: int, tau: float, sketch: str = "fp8", candidates: int = 4
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two-stage match (``MacConfig(match="two_stage")``), same inputs and outputs as ``mac_match_reference``.
+
+    Candidate stage: the ``candidates`` valid window entries nearest to ``sketch(q_pre)`` among the
+    ring's sketches (``macattn.methods.mac.match_sketch``; ties: lower ring index). Exact stage: their
+    distances from the stored ring (fp32 accumulation), the nearest of them (ties: lower ring index),
+    then ``mac_match_reference``'s threshold and validity test. ``dist`` is that candidate's exact
+    distance (``inf`` with no valid entry), so an accepted match always passes the exact test.
+    """
+    K, d = qring.shape[2], qring.shape[3]
+    ring = qring[slots]                                               # [B, Hq, K, d]
+    q = q_pre.to(qring.dtype)
+    rpos = ring_pos[slots]                                            # [B, K]
+    m = positions.unsqueeze(1)
+    cand = ((rpos >= 0) & (rpos < m) & (rpos >= m - K)).unsqueeze(1)  # [B, 1, K]
+    approx = (sketch_fn(q, sketch).unsqueeze(2) - sketch_fn(ring, sketch)).square().sum(-1)
+    approx = approx.masked_fill(~cand, float("inf"))                  # [B, Hq, K]
+    c = min(candidates, K)
+    # stable sort: equal sketch distances keep ring order, so ties go to the lower index
+    top = torch.sort(approx, dim=-1, stable=True).indices[..., :c]   # [B, Hq, c]
+    valid = torch.gather(approx, 2, top) < float("inf")
+    picked = torch.gather(ring, 2, top.unsqueeze(-1).expand(*top.shape, d)).float()
+    exact2 = (q.float().unsqueeze(2) - picked).square().sum(-1).masked_fill(~valid, float("inf"))
+    best2 = exact2.min(dim=-1, keepdim=True).values                   # [B, Hq, 1]
+    # the nearest candidate; on equal exact distances the lower ring index (as the exact match)
+    best_slot = torch.where(exact2 == best2, top, torch.full_like(top, K)).min(dim=-1).values
+    dist = best2.squeeze(-1).sqrt()
+    p = torch.gather(rpos, 1, best_slot)
+    lse = torch.gather(ring_lse[slots], 2, best_slot.unsqueeze(-1)).squeeze(-1)
+    hit = (dist < match_threshold(d, tau)) & (p - band >= 0) & torch.isfinite(lse)
     return torch.where(hit, p, torch.full_like(p, -1)), dist
 
 
@@ -147,8 +187,11 @@ def mac_decode_step_reference(q: torch.Tensor, q_pre: torch.Tensor, k: torch.Ten
                               oring: torch.Tensor, ring_lse: torch.Tensor, ring_pos: torch.Tensor, *,
                               band: int, tau: float, enabled: bool = True,
                               scale: float | None = None, miss_policy: str = "full",
-                              completion=None) -> MacStepResult:
+                              completion=None, match: str = "exact", match_sketch: str = "fp8",
+                              match_candidates: int = 4) -> MacStepResult:
     """One MAC decode step for one layer: match, complete, rectify-append (rings mutated).
+
+    match ``"two_stage"``: ``mac_match_two_stage_reference`` with ``match_sketch`` / ``match_candidates``.
 
     miss_policy ``"completion"``: heads that miss take their output and ring entry from
     ``completion.amend_misses`` (a ``macattn.methods.mac.completion_on_miss.CompletionOnMiss`` built at
@@ -158,7 +201,12 @@ def mac_decode_step_reference(q: torch.Tensor, q_pre: torch.Tensor, k: torch.Ten
         raise ValueError(f"miss_policy must be 'full' or 'completion', got {miss_policy!r}")
     if miss_policy == "completion" and completion is None:
         raise ValueError("miss_policy='completion' needs completion= (a CompletionOnMiss built at prefill)")
-    if enabled:
+    check_choice("match", match, MATCH_MODES)
+    if enabled and match == "two_stage":
+        match_pos, dist = mac_match_two_stage_reference(q_pre, qring, ring_lse, ring_pos, slots, positions,
+                                                        band=band, tau=tau, sketch=match_sketch,
+                                                        candidates=match_candidates)
+    elif enabled:
         match_pos, dist = mac_match_reference(q_pre, qring, ring_lse, ring_pos, slots, positions,
                                               band=band, tau=tau)
     else:

@@ -1,0 +1,50 @@
+"""Compressed ring entries for MAC's two-stage match (``MacConfig(match="two_stage")``).
+
+A sketch maps a pre-RoPE query ``[..., d]`` to the vector the candidate stage compares, fp32:
+
+* ``"fp8"``: the entry cast to E4M3 (saturating at ±448, no scale: pre-RoPE query elements of the
+  models here stay far inside that range), ``d`` bytes per entry instead of ``2 d``;
+* ``"proj32"`` / ``"proj16"``: ``x @ P`` with one fixed Gaussian ``P [d, D] / sqrt(D)`` (seeded by
+  ``(d, D)`` alone, so every layer, run and kernel derives the same matrix; Johnson–Lindenstrauss:
+  squared distances are preserved in expectation), ``2 D`` bytes in bf16;
+* ``"proj32_fp8"``: the projection, then E4M3: ``D`` bytes.
+
+A kernel keeps ``sketch(entry)`` beside the ring, written by the append; the reference recomputes it
+from the ring, which is the same function.
+"""
+from __future__ import annotations
+
+import torch
+
+from macattn.core.validation import check_choice
+from macattn.methods.mac.config import MATCH_SKETCHES
+
+__all__ = ["sketch_projection", "sketch", "sketch_dims", "FP8_MAX"]
+
+FP8_MAX = 448.0       # largest finite float8_e4m3fn
+_PROJ = {"fp8": None, "proj32": 32, "proj16": 16, "proj32_fp8": 32}
+_FP8 = {"fp8": True, "proj32": False, "proj16": False, "proj32_fp8": True}
+_SEED = 0x6D6163   # "mac"
+
+
+def sketch_dims(kind: str, head_dim: int) -> int:
+    """Length of a ``kind`` sketch of a ``head_dim`` vector."""
+    check_choice("match_sketch", kind, MATCH_SKETCHES)
+    return _PROJ[kind] or head_dim
+
+
+def sketch_projection(head_dim: int, dims: int, device=None) -> torch.Tensor:
+    """The fixed ``[head_dim, dims]`` fp32 projection (Gaussian, scaled by ``1 / sqrt(dims)``)."""
+    g = torch.Generator().manual_seed(_SEED + 1009 * head_dim + dims)
+    return (torch.randn(head_dim, dims, generator=g) / dims ** 0.5).to(device)
+
+
+def sketch(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """``x [..., d]`` (any float dtype) -> its ``kind`` sketch ``[..., sketch_dims(kind, d)]`` fp32."""
+    check_choice("match_sketch", kind, MATCH_SKETCHES)
+    y = x.float()
+    if _PROJ[kind] is not None:
+        y = y @ sketch_projection(x.shape[-1], _PROJ[kind], x.device)
+    if _FP8[kind]:
+        return y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return y.to(torch.bfloat16).float() if _PROJ[kind] is not None else y
