@@ -20,6 +20,8 @@ Protocol (paper §6-7, App. D/H; SPEC §3):
   where ``cache = (F·d + 2F)/(2d)`` is the one-time cache fetch amortised over ``G`` generated
   tokens (``--gen-len``; G = 1 is the paper's worst case, also reported) and ``F/(2d)`` per
   retrieved token pays for reading its ``log φ_k`` row (``macattn.methods.completion.reference.budget_top_k``);
+* the same two with the Quest-style page selector (``PageSummaryTopK``: per-page key bounds, the
+  ``ceil(k / page) x overfetch`` best pages, exact Top-k inside them) at the exhaustive selector's ``k``;
 * error: ``‖o - o_full‖ / ‖o_full‖`` averaged over queries and windows, per (layer, query head);
   mid-normalised entropy ``H_M = -Σ_{t∈M} p_t log p_t / log|M|`` with ``p`` the teacher softmax
   restricted to the mid region; gain = error(selection) - error(completion).
@@ -41,7 +43,7 @@ from pathlib import Path
 import torch
 
 from macattn.models.checkpoint import builtin_checkpoint_available, BUILTIN_CHECKPOINT_DIR
-from macattn.methods.completion.reference import (budget_top_k, build_completion_cache, full_attention_step, hybrid_decode_step,
+from macattn.methods.completion.reference import (PageSummaryTopK, budget_top_k, build_completion_cache, full_attention_step, hybrid_decode_step,
                                 token_equivalents)
 from macattn.methods.completion.feature_maps import load_feature_maps
 from macattn.models.attention import capture_qkv
@@ -64,8 +66,10 @@ def evaluate_model(model, tokens, maps, args, budgets) -> dict:
     f = maps.spec.feature_dim
     npf, nq = args.prefill, args.queries
     mid_len = npf - args.n_sink - args.n_tail
-    methods = {"selection": [], "completion": [], "completion_worst": []}
+    methods = {"selection": [], "completion": [], "completion_worst": [], "selection_pages": [],
+               "completion_pages": []}
     ks = {m: [] for m in methods}
+    pages = PageSummaryTopK(args.page_size, args.page_overfetch)
     for beta in budgets:
         btok = beta * npf
         anchors = args.n_sink + args.n_tail + nq // 2   # generated tokens: mean over the Q decode positions
@@ -75,6 +79,9 @@ def evaluate_model(model, tokens, maps, args, budgets) -> dict:
                                              gen_len=args.gen_len, mid_len=mid_len))
         ks["completion_worst"].append(budget_top_k(btok, anchors=anchors, feature_dim=f, head_dim=d, completion=True,
                                                    gen_len=1, mid_len=mid_len))
+        # the page selector at the exhaustive one's k (its bounds, 2 d per page and KV head, are read besides)
+        ks["selection_pages"].append(ks["selection"][-1])
+        ks["completion_pages"].append(ks["completion"][-1])
     err = {m: torch.zeros(len(budgets), n_layers, hq, dtype=torch.float64) for m in methods}
     ent = torch.zeros(n_layers, hq, dtype=torch.float64)
     share = torch.zeros(len(budgets), n_layers, hq, dtype=torch.float64)   # completion mass share (App. H.5)
@@ -108,7 +115,9 @@ def evaluate_model(model, tokens, maps, args, budgets) -> dict:
                         continue
                     o, parts = hybrid_decode_step(qd, kc, vc, seq_lens, n_prefill, n_sink=args.n_sink,
                                                   n_tail=args.n_tail, top_k=kk,
-                                                  completion=None if m == "selection" else comp, return_parts=True)
+                                                  selector=pages if m.endswith("_pages") else None,
+                                                  completion=None if m.startswith("selection") else comp,
+                                                  return_parts=True)
                     err[m][bi, layer] += ((o - full).norm(dim=-1) / fn).mean(0) / len(wins)
                     if m == "completion":
                         sh = torch.sigmoid(parts["lse_comp"] - parts["lse_exact"])
@@ -122,7 +131,7 @@ def evaluate_model(model, tokens, maps, args, budgets) -> dict:
         for m in methods:
             e = err[m][bi]
             g = 1 if m == "completion_worst" else args.gen_len
-            row[m] = {"top_k": ks[m][bi], "token_equivalents": te(ks[m][bi], m != "selection", g),
+            row[m] = {"top_k": ks[m][bi], "token_equivalents": te(ks[m][bi], not m.startswith("selection"), g),
                       "mean_rel_error": None if ks[m][bi] is None else float(e.mean()),
                       "per_head_rel_error": None if ks[m][bi] is None else e.tolist()}
         gain = err["selection"][bi] - err["completion"][bi]
@@ -147,10 +156,12 @@ def plot(results: dict, path: Path) -> None:
         bud = res["budgets"]
         x = [100 * b["budget_fraction"] for b in bud]
         ax = axes[r][0]
-        for m, style in (("selection", "o-"), ("completion", "s-"), ("completion_worst", "^--")):
+        for m, style in (("selection", "o-"), ("completion", "s-"), ("completion_worst", "^--"),
+                         ("selection_pages", "o:"), ("completion_pages", "s:")):
             y = [b[m]["mean_rel_error"] if b[m]["mean_rel_error"] is not None else float("nan") for b in bud]
             lab = {"selection": "Top-k only (renormalised)", "completion": f"Top-k + completion (G={res['gen_len']})",
-                   "completion_worst": "Top-k + completion (G=1, worst case)"}[m]
+                   "completion_worst": "Top-k + completion (G=1, worst case)",
+                   "selection_pages": "Top-k only, page selector", "completion_pages": "Top-k + completion, page selector"}[m]
             ax.plot(x, y, style, label=lab)
         ax.set_xlabel("token-equivalent KV-read budget per step and KV head (% of prefill N)")
         ax.set_ylabel("mean relative L2 error vs full attention")
@@ -194,6 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--train-steps", type=int, default=80)
     ap.add_argument("--train-seq-len", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--page-size", type=int, default=16, help="page selector (Quest bounds): tokens per page")
+    ap.add_argument("--page-overfetch", type=int, default=2, help="page selector: pages kept = ceil(k / page) x this")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     budgets = [0.01, 0.02, 0.03, 0.04, 0.05]
@@ -232,7 +245,8 @@ def main(argv=None) -> int:
         for b in res["budgets"]:
             fmt = lambda m: "  -  " if b[m]["mean_rel_error"] is None else f"{b[m]['mean_rel_error']:.4f} (k={b[m]['top_k']})"  # noqa: E731
             print(f"  budget {100 * b['budget_fraction']:.0f}%: top-k {fmt('selection')}  completion {fmt('completion')}"
-                  f"  completion G=1 {fmt('completion_worst')}  heads improved {b['heads_improved']}")
+                  f"  completion G=1 {fmt('completion_worst')}  heads improved {b['heads_improved']}"
+                  f"  | page selector: top-k {fmt('selection_pages')}  completion {fmt('completion_pages')}")
     out = {"protocol": __doc__, "args": vars(args), "budgets": budgets, "results": results,
            "versions": {"torch": torch.__version__, "python": platform.python_version()},
            "device": "cpu", "seconds": time.time() - t0}

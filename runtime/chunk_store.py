@@ -74,9 +74,11 @@ def precompute_chunk_kv(model, token_ids) -> tuple[torch.Tensor, torch.Tensor]:
 
 class ChunkKVStore:
     """directory: created if missing. model_id / tokenizer_id: strings naming the weights and
-    tokenizer (part of every key). max_bytes: LRU bound (None = unbounded)."""
+    tokenizer (part of every key). max_bytes: LRU bound (None = unbounded). layout: the tag naming
+    what ``k`` / ``v`` hold (part of every key and checked on load; default A3's pre-RoPE chunks)."""
 
-    def __init__(self, directory, *, model_id: str, tokenizer_id: str = "", max_bytes: int | None = None) -> None:
+    def __init__(self, directory, *, model_id: str, tokenizer_id: str = "", max_bytes: int | None = None,
+                 layout: str = LAYOUT) -> None:
         if not isinstance(model_id, str) or not model_id:
             raise ValueError(f"model_id must be a non-empty str, got {model_id!r}")
         if not isinstance(tokenizer_id, str):
@@ -85,12 +87,12 @@ class ChunkKVStore:
             raise ValueError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.model_id, self.tokenizer_id, self.max_bytes = model_id, tokenizer_id, max_bytes
+        self.model_id, self.tokenizer_id, self.max_bytes, self.layout = model_id, tokenizer_id, max_bytes, layout
         self.hits = self.misses = 0
 
     def key(self, token_ids, dtype: torch.dtype) -> str:
         ids = _ids_tensor(token_ids)
-        h = hashlib.sha256(json.dumps([self.model_id, self.tokenizer_id, str(dtype), LAYOUT]).encode())
+        h = hashlib.sha256(json.dumps([self.model_id, self.tokenizer_id, str(dtype), self.layout]).encode())
         h.update(ids.numpy().tobytes())
         return h.hexdigest()
 
@@ -122,7 +124,7 @@ class ChunkKVStore:
                              f"v {tuple(v.shape)} {v.dtype}")
         k, v = k.detach().contiguous().cpu(), v.detach().contiguous().cpu()
         key = self.key(ids, k.dtype)
-        meta = {"model_id": self.model_id, "tokenizer_id": self.tokenizer_id, "key": key, "layout": LAYOUT,
+        meta = {"model_id": self.model_id, "tokenizer_id": self.tokenizer_id, "key": key, "layout": self.layout,
                 "payload_sha256": _payload_hash(ids, k, v), "k_shape": json.dumps(list(k.shape)),
                 "v_shape": json.dumps(list(v.shape)), "dtype": str(k.dtype), "num_layers": str(k.shape[0]),
                 "num_tokens": str(ids.numel()), "created": repr(time.time())}
@@ -185,7 +187,7 @@ class ChunkKVStore:
             raise ChunkStoreIntegrityError(f"chunk store entry {path.name} rejected: {what}")
 
         for name, want in (("key", key), ("model_id", self.model_id), ("tokenizer_id", self.tokenizer_id),
-                           ("layout", LAYOUT), ("dtype", str(dtype))):
+                           ("layout", self.layout), ("dtype", str(dtype))):
             if meta.get(name) != want:
                 fail(f"{name} is {meta.get(name)!r}, expected {want!r}")
         if set(tensors) != {"token_ids", "k", "v"}:
