@@ -4,7 +4,8 @@
 # Steps run in the order given: tests (CMake native library, then every GPU test -> junit xml + log),
 # tune (launch-parameter sweep),
 # bench (bench_mac_decode.py; extra args in $BENCH_ARGS), completion (bench_completion_decode.py;
-# $COMPLETION_ARGS), e2e (bench_e2e.py; $E2E_ARGS). FlashInfer installs from .whl/ if carried.
+# $COMPLETION_ARGS), e2e (bench_e2e.py; $E2E_ARGS), selectors (bench_selectors.py: two-stage match, page
+# selector). FlashInfer installs from .whl/ if carried.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/macattn_out}
@@ -28,6 +29,8 @@ for step in "$@"; do
              --out "$OUT/bench_mac_decode.json" 2>&1 | tee "$OUT/bench.log" ;;
     completion) timeout "${COMPLETION_TIMEOUT:-300}" python3 benchmarks/bench_completion_decode.py ${COMPLETION_ARGS:-} \
              --out "$OUT/bench_completion_decode.json" 2>&1 | tee "$OUT/completion.log" ;;
+    selectors) timeout "${SELECTORS_TIMEOUT:-240}" python3 benchmarks/bench_selectors.py \
+             --out "$OUT/bench_selectors.json" 2>&1 | tee "$OUT/selectors.log" | tail -30 ;;
     e2e) timeout "${E2E_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py ${E2E_ARGS:-} \
              --out "$OUT/bench_e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -40 ;;
   esac

@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 import torch
 
 from macattn.core.validation import check_int
+from macattn.methods.completion.reference import page_bounds
 from macattn.runtime.chunk_store import ChunkKVStore
 
-__all__ = ["KVTierConfig", "RequestTiers", "KVTiers", "page_bounds", "prefix_store", "PREFIX_LAYOUT"]
+__all__ = ["KVTierConfig", "RequestTiers", "KVTiers", "prefix_store", "PREFIX_LAYOUT"]
 
 PREFIX_LAYOUT = "macattn-prefix-v1:k_post_rope,v:[layers,tokens,kv_heads,head_dim]"
 
@@ -63,18 +64,6 @@ def prefix_store(directory, *, model_id: str, tokenizer_id: str = "", max_bytes:
     pre-RoPE chunks; every load checks model identity, token ids, dtype, shapes and the payload sha256."""
     return ChunkKVStore(directory, model_id=model_id, tokenizer_id=tokenizer_id, max_bytes=max_bytes,
                         layout=PREFIX_LAYOUT)
-
-
-def page_bounds(k: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-page, per-channel ``(min, max)`` of ``k [..., T, d]`` -> each ``[..., P, d]`` fp32 (the
-    last page's over its real tokens)."""
-    *lead, T, d = k.shape
-    P = -(-T // page_size)
-    pad = P * page_size - T
-    kf = k.float()
-    lo = torch.cat([kf, kf.new_full((*lead, pad, d), float("inf"))], -2).view(*lead, P, page_size, d).amin(-2)
-    hi = torch.cat([kf, kf.new_full((*lead, pad, d), float("-inf"))], -2).view(*lead, P, page_size, d).amax(-2)
-    return lo, hi
 
 
 @dataclass
@@ -160,7 +149,7 @@ class KVTiers:
             out[:, :, :T] = x.to("cpu", self.dtype)
             return out.view(L, H, P, page, d)
 
-        lo, hi = page_bounds(k.to(self.dtype), page)
+        lo, hi = page_bounds(k.to(self.dtype), page, torch.float32)
         hot = (self.config.hot_pages, page, d)
         req = RequestTiers(paged(k), paged(v), lo.to(self.device), hi.to(self.device),
                            torch.zeros(hot, dtype=self.dtype, device=self.device),

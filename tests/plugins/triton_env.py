@@ -22,3 +22,17 @@ GPU_MARKS = [
     pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed"),
     pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+
+
+def rerun_in_interpreter(target, *pytest_args: str, timeout: int = 900) -> None:
+    """Run the GPU test file ``target`` in a subprocess through Triton's interpreter
+    (``MACATTN_TRITON_INTERPRET=1``, CPU tensors) and assert that its tests ran and passed."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MACATTN_TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(target), *pytest_args],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in last and " failed" not in last, proc.stdout[-2000:]

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from macattn.runtime.chunk_store import ChunkKVStore, ChunkStoreIntegrityError
-from macattn.runtime.kv_tiers import KVTierConfig, KVTiers, page_bounds, prefix_store
+from macattn.methods.completion.reference import page_bounds
+from macattn.runtime.kv_tiers import KVTierConfig, KVTiers, prefix_store
 from macattn.runtime.slots import SlotStates
 
 L, H, D = 2, 2, 8
@@ -28,7 +29,7 @@ def _tiers(**kw):
 @pytest.mark.parametrize("T,page", [(1, 4), (7, 4), (8, 4), (13, 5), (16, 1)])
 def test_page_bounds_equal_brute_force(T, page):
     k = torch.randn(3, T, 6, dtype=torch.float64)
-    lo, hi = page_bounds(k, page)
+    lo, hi = page_bounds(k, page, torch.float32)
     P = -(-T // page)
     assert lo.shape == hi.shape == (3, P, 6) and lo.dtype == torch.float32
     for p in range(P):
@@ -42,7 +43,7 @@ def test_fetch_returns_the_requested_pages_and_keeps_an_lru():
     req = tiers.admit(1, k, v)
     assert req.k_pages.shape == (L, H, 4, 4, D) and req.lo.shape == (L, H, 4, D)
     assert torch.equal(req.k_pages[1, 0, 3, 1:], torch.zeros(3, D, dtype=torch.bfloat16))   # zero padding
-    lo, hi = page_bounds(k, 4)
+    lo, hi = page_bounds(k, 4, torch.float32)
     assert torch.equal(req.lo, lo) and torch.equal(req.hi, hi)
 
     def want(x, layer, pages):

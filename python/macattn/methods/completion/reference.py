@@ -43,7 +43,8 @@ from macattn.methods.completion.config import SELECTORS
 
 from macattn.core.validation import check_int
 
-__all__ = ["Partition", "partition", "Selector", "ExhaustiveTopK", "PageSummaryTopK", "make_selector", "build_completion_cache", "build_completion_cache_batched", "subtract_retrieved", "hybrid_decode_step", "retrieval_completion_step", "selection_only_step", "sink_tail_step", "full_attention_step", "token_equivalents", "budget_top_k"]
+__all__ = ["Partition", "partition", "Selector", "ExhaustiveTopK", "PageSummaryTopK", "make_selector", "page_bounds",
+           "page_upper_bounds", "select_pages_reference", "build_completion_cache", "build_completion_cache_batched", "subtract_retrieved", "hybrid_decode_step", "retrieval_completion_step", "selection_only_step", "sink_tail_step", "full_attention_step", "token_equivalents", "budget_top_k"]
 
 @dataclass(frozen=True)
 class Partition:
@@ -94,6 +95,47 @@ class ExhaustiveTopK:
         return logits.topk(k, dim=-1).indices
 
 
+def page_bounds(k: torch.Tensor, page_size: int, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-page, per-channel ``(min, max)`` of keys ``k [..., T, d]``: each ``[..., P, d]`` in ``dtype``,
+    ``P = ceil(T / page_size)``, the last page's over its real tokens (Quest's page summary)."""
+    check_int("page_size", page_size, 1)
+    *lead, T, d = k.shape
+    P = -(-T // page_size)
+    pad = P * page_size - T
+    kd = k.to(dtype)
+    lo = torch.cat([kd, kd.new_full((*lead, pad, d), math.inf)], -2).view(*lead, P, page_size, d).amin(-2)
+    hi = torch.cat([kd, kd.new_full((*lead, pad, d), -math.inf)], -2).view(*lead, P, page_size, d).amax(-2)
+    return lo, hi
+
+
+def page_upper_bounds(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """``Σ_j max(q_j lo_j, q_j hi_j)`` >= ``q·k`` for every key of a page: ``q [..., H, d]``, ``lo / hi
+    [..., P, d]`` -> ``[..., H, P]`` fp64."""
+    qd = q.double()[..., :, None, :]
+    return torch.maximum(qd * lo.double()[..., None, :, :], qd * hi.double()[..., None, :, :]).sum(-1)
+
+
+def select_pages_reference(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_pages: torch.Tensor,
+                           budget: int) -> torch.Tensor:
+    """The page selector of the offloaded decode, per KV head: ``q [B, Hq, d]`` (the step's queries),
+    ``lo / hi [B, Hkv, P, d]`` page bounds, ``n_pages [B]`` valid pages per request, ``budget`` pages
+    per KV head -> ``[B, Hkv, budget]`` int64 page indices, ascending, ``-1`` past the valid pages.
+
+    A page's score for a KV head is the largest upper bound over the query heads sharing it (a page
+    any of them may need); the ``budget`` best pages are kept, ties to the lower page index."""
+    check_int("budget", budget, 0)
+    B, Hq, _ = q.shape
+    Hkv, P = lo.shape[1], lo.shape[2]
+    score = page_upper_bounds(q.view(B, Hkv, Hq // Hkv, -1), lo, hi).amax(2)        # [B, Hkv, P]
+    valid = (torch.arange(P, device=q.device)[None, None, :] < n_pages.view(B, 1, 1).to(q.device)).expand(B, Hkv, P)
+    score = score.masked_fill(~valid, -math.inf)
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :budget]
+    keep = torch.gather(valid, 2, order)
+    pages = torch.sort(torch.where(keep, order, P), dim=-1).values                 # invalid ones last
+    pages = torch.where(pages < P, pages, -1)
+    return torch.cat([pages, pages.new_full((B, Hkv, budget - pages.shape[-1]), -1)], -1)
+
+
 class PageSummaryTopK:
     """Quest-style approximate selector.
 
@@ -111,14 +153,8 @@ class PageSummaryTopK:
 
     @staticmethod
     def page_bounds(k_mid: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-page channel ``(min, max)``, each ``[P, d]`` (last page may be partial)."""
-        m, d = k_mid.shape
-        n_pages = -(-m // page_size)
-        pad = n_pages * page_size - m
-        kd = k_mid.double()
-        lo = torch.cat([kd, kd.new_full((pad, d), math.inf)]).view(n_pages, page_size, d).amin(1)
-        hi = torch.cat([kd, kd.new_full((pad, d), -math.inf)]).view(n_pages, page_size, d).amax(1)
-        return lo, hi
+        """Per-page channel ``(min, max)``, each ``[P, d]`` fp64 (last page may be partial)."""
+        return page_bounds(k_mid, page_size)
 
     def select(self, q: torch.Tensor, k_mid: torch.Tensor, k: int, scale: float) -> torch.Tensor:
         h, m = q.shape[0], k_mid.shape[0]
@@ -126,7 +162,7 @@ class PageSummaryTopK:
             return torch.zeros(h, 0, dtype=torch.int64, device=q.device)
         lo, hi = self.page_bounds(k_mid, self.page_size)
         qd = q.double()
-        bound = torch.maximum(qd[:, None, :] * lo[None], qd[:, None, :] * hi[None]).sum(-1)  # [H, P]
+        bound = page_upper_bounds(qd, lo, hi)                                    # [H, P]
         n_keep = min(lo.shape[0], -(-k // self.page_size) * self.overfetch)
         pages = bound.topk(n_keep, dim=-1).indices  # [H, n_keep]
         tok = (pages[:, :, None] * self.page_size + torch.arange(self.page_size, device=q.device)).reshape(h, -1)
