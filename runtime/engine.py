@@ -31,12 +31,14 @@ __all__ = ["StepOutput", "LLMEngine", "check_input_ids"]
 
 @dataclass(frozen=True)
 class StepOutput:
-    """token: the id generated for ``request_id`` this step (None if it only finished)."""
+    """token: the id generated for ``request_id`` this step (None if it only finished). logits: the
+    ``[V]`` row it was sampled from (a view, valid until the next step: on CUDA a graph's buffer)."""
 
     request_id: int
     token: int | None
     finished: bool
     finish_reason: str | None = None
+    logits: torch.Tensor | None = None
 
 
 def check_input_ids(input_ids, *, vocab_size: int, name: str = "input_ids") -> list[int]:
@@ -182,12 +184,12 @@ class LLMEngine:
         """Record ``token`` (sampled from ``logits [V]``) for ``seq``; finish it on end_id / length."""
         if seq.sampling.end_id is not None and token == seq.sampling.end_id:
             self.scheduler.finish(seq, "end_id")
-            return StepOutput(seq.request_id, None, True, "end_id")
+            return StepOutput(seq.request_id, None, True, "end_id", logits)
         seq.output.append(token)
         if len(seq.output) >= seq.sampling.max_new_tokens:
             self.scheduler.finish(seq, "length")
-            return StepOutput(seq.request_id, token, True, "length")
-        return StepOutput(seq.request_id, token, False)
+            return StepOutput(seq.request_id, token, True, "length", logits)
+        return StepOutput(seq.request_id, token, False, None, logits)
 
     def run_to_completion(self) -> None:
         while self.has_unfinished():

@@ -1,10 +1,11 @@
 """KV tiers of offloaded retrieval-completion requests (SPEC §3's offloaded setting, issue 20).
 
 A request's prefill KV lives in pages in host memory (pinned when the device is CUDA) and on disk
-(``prefix_store``: A3's chunk store with its integrity rules, under the prefix layout); the device holds what every step reads — per-page key bounds (Quest:
-per-channel min / max of each page's keys) — and a small LRU cache of hot pages. A decode step
-selects pages per KV head from the bounds and ``fetch``\\ es them: hits come from the cache, misses
-are copied from the host pages into it. (Sinks, the exact tail, generated tokens and the
+(``prefix_store``: A3's chunk store with its integrity rules, under the prefix layout); the device
+holds what every step reads — per-page key bounds (Quest: per-channel min / max of each page's keys)
+— and a small LRU cache of hot pages. A decode step selects pages per KV head from the bounds
+(``macattn.plugins.page_select``) and ``fetch``\\ es them: hits come from the cache, misses are copied
+from the host pages into it. (Sinks, the exact tail, generated tokens and the
 completion cache are the completion method's own per-slot state.)
 
 Shapes (``L`` layers, ``Hkv`` KV heads, ``T`` prefill tokens, ``P = ceil(T / page_size)`` pages,

@@ -12,4 +12,13 @@ from macattn.methods.mac.config import LayerMacParams, MacConfig
 
 __version__ = "0.1.0"
 __all__ = ["AttentionSummary", "LayerMacParams", "MacConfig", "merge_summaries", "remove_summary",
-           "summarize", "__version__"]
+           "summarize", "LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    """``LLM`` / ``SamplingParams`` (the LLM API, ``macattn.apps.llm``), imported on first use."""
+    if name in ("LLM", "SamplingParams"):
+        from macattn.apps import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'macattn' has no attribute {name!r}")

@@ -7,7 +7,7 @@ layer uses as a ``LayerMacParams``.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -73,7 +73,9 @@ class LayerMacParams:
 
 
 _LAYER_FIELDS = ("window", "band", "tau", "enabled", "miss_policy", "match", "match_sketch", "match_candidates")
-_DEFAULTS_LEFT_OUT = {"miss_policy": "full", "match": "exact", "match_sketch": "fp8", "match_candidates": 4}
+# fields a saved file leaves out at their defaults: files and engine manifests keep their old form
+_DEFAULTS_LEFT_OUT = {f.name: f.default for f in fields(LayerMacParams)
+                      if f.name in ("miss_policy", "match", "match_sketch", "match_candidates")}
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,7 @@ class MacConfig(LayerMacParams):
     # --- per-layer file (written by `macattn tune`, read by `macattn build` and ModelRunner)
     def to_dict(self) -> dict:
         d = asdict(self)
-        for name, default in _DEFAULTS_LEFT_OUT.items():   # files and engine manifests keep their old form
+        for name, default in _DEFAULTS_LEFT_OUT.items():
             if d[name] == default:
                 del d[name]
         d["layer_overrides"] = {str(i): dict(f) for i, f in self.layer_overrides}

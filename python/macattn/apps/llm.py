@@ -1,0 +1,285 @@
+"""The LLM API: text in, text out, with TensorRT-LLM's LLM API names (``tensorrt_llm.LLM``,
+``SamplingParams``, ``RequestOutput`` / ``CompletionOutput``) over the in-flight batching engine.
+
+    from macattn import LLM, SamplingParams
+    llm = LLM("builtin")                                  # or a transformers model directory
+    for out in llm.generate(["The gospel of", "In the beginning"], SamplingParams(max_tokens=16)):
+        print(out.prompt, "->", out.outputs[0].text, out.outputs[0].finish_reason)
+
+Prompts are strings (tokenized with the model's tokenizer; the built-in checkpoint ships its own) or
+token id lists. ``SamplingParams`` takes TensorRT-LLM's field names; sampling is greedy unless
+``temperature`` / ``top_k`` / ``top_p`` ask otherwise (``temperature=0`` is greedy too). Fields we do
+not implement are accepted at their neutral values; another value raises ``ValueError`` naming the
+field. Stop strings and extra stop token ids end a request after the step that produced them (its
+slot is freed at once); the text is cut before the stop string unless ``include_stop_str_in_output``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from macattn.methods.mac.config import MacConfig
+from macattn.runtime.config import RuntimeConfig
+from macattn.runtime.engine import LLMEngine
+from macattn.runtime.sampling import SamplingParams as EngineSampling
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+# fields accepted only at these neutral values (name -> values that mean "off")
+_NEUTRAL: dict[str, tuple] = {
+    "n": (1,), "best_of": (None, 1), "use_beam_search": (False,), "repetition_penalty": (None, 1.0),
+    "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "length_penalty": (None,),
+    "min_tokens": (None, 0, 1), "min_p": (None, 0.0), "bad": (None,), "bad_token_ids": (None,),
+    "prompt_logprobs": (None,), "return_context_logits": (False,), "exclude_input_from_output": (True,),
+    "embedding_bias": (None,), "logits_processor": (None,), "guided_decoding": (None,),
+    "truncate_prompt_tokens": (None,), "no_repeat_ngram_size": (None,), "beam_width_array": (None,),
+}
+
+
+@dataclass(frozen=True, init=False)
+class SamplingParams:
+    """TensorRT-LLM's ``SamplingParams`` fields this API implements (the others in ``_NEUTRAL``).
+
+    max_tokens: tokens to generate (>= 1). temperature: None = 1.0, 0 = greedy, else > 0.
+    top_k / top_p: None = 0 (no cut); greedy iff ``top_k == 1`` or both are 0 (TensorRT-LLM's rule).
+    seed: sampling seed (None: drawn per request). end_id: stop token (None: the tokenizer's EOS;
+    ``ignore_eos`` disables it). pad_id: kept for the servers' padding. stop / stop_token_ids: more
+    stop conditions. logprobs: None, or k >= 0: each generated token's log probability plus the
+    ``k`` most likely tokens'. return_generation_logits: keep every step's logits ``[V]`` fp32.
+    detokenize / skip_special_tokens / add_special_tokens: tokenizer behaviour."""
+
+    max_tokens: int = 32
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    end_id: int | None = None
+    pad_id: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    return_generation_logits: bool = False
+    ignore_eos: bool = False
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    add_special_tokens: bool = True
+
+    def __init__(self, **kwargs: Any) -> None:
+        known = type(self).__dataclass_fields__
+        for name, value in kwargs.items():
+            if name in known:
+                continue
+            if name not in _NEUTRAL:
+                raise TypeError(f"SamplingParams got an unknown field {name!r}")
+            if value not in _NEUTRAL[name]:
+                raise ValueError(f"{name}={value!r} is not supported (accepted: {list(_NEUTRAL[name])})")
+        for name, f in known.items():
+            object.__setattr__(self, name, kwargs.get(name, f.default))
+        self._validate()
+
+    def _validate(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        t = self.temperature
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0):
+            raise ValueError(f"temperature must be a finite float >= 0 or None, got {t!r}")
+        p = self.top_p
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0):
+            raise ValueError(f"top_p must be a float in [0, 1] or None, got {self.top_p!r}")
+        for name in ("top_k", "seed", "end_id", "pad_id", "logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"{name} must be an int >= 0 or None, got {v!r}")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        ids = self.stop_token_ids or []
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+            raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def engine_params(self, eos_id: int | None) -> EngineSampling:
+        """The engine's per-request sampling parameters (``macattn.runtime.sampling.SamplingParams``)."""
+        greedy = self.temperature == 0
+        return EngineSampling(max_new_tokens=self.max_tokens,
+                              end_id=None if self.ignore_eos else (self.end_id if self.end_id is not None else eos_id),
+                              temperature=1.0 if greedy or self.temperature is None else float(self.temperature),
+                              top_k=1 if greedy else (self.top_k or 0), top_p=0.0 if greedy else float(self.top_p or 0.0),
+                              random_seed=self.seed)
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence: ``text``, ``token_ids`` (the stop tokens included; the end token is
+    not emitted), ``logprobs`` (per token ``{token_id: logprob}``: the sampled token and the top
+    ``SamplingParams.logprobs``), ``cumulative_logprob``, ``finish_reason`` (``"stop"`` / ``"length"``),
+    ``stop_reason`` (the stop string or stop token id that ended it; None for the end token),
+    ``generation_logits`` ``[len(token_ids), V]`` fp32 when asked."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    generation_logits: torch.Tensor | None = None
+
+
+@dataclass
+class RequestOutput:
+    """``prompt`` (None for a token id prompt), ``prompt_token_ids``, ``outputs`` (one
+    ``CompletionOutput``), ``finished``, ``metrics``: ``ttft_s`` (submission to first token),
+    ``inter_token_latency_s`` (mean gap between later tokens), ``e2e_s``, ``num_generated_tokens``."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    metrics: dict = field(default_factory=dict)
+
+
+class LLM:
+    """model: ``"builtin"`` (the packaged trained checkpoint and its tokenizer), a transformers
+    model directory, or a ``*ForCausalLM`` object (then ``tokenizer`` is required). method: the
+    attention method (``"mac"``, ``"full"``, …). mac: a ``MacConfig``, a per-layer file from
+    ``macattn tune``, ``"off"``, or None (MAC's defaults). dtype: ``"auto"`` or a torch dtype;
+    device, max_batch_size, max_seq_len, quantization, use_cuda_graphs (None: on CUDA): the
+    runtime's (``RuntimeConfig``)."""
+
+    def __init__(self, model: Any = "builtin", *, tokenizer: Any = None, method: str = "mac", mac: Any = None,
+                 dtype: Any = "auto", device: str = "cpu", max_batch_size: int = 8, max_seq_len: int | None = None,
+                 quantization: str | None = None, use_cuda_graphs: bool | None = None) -> None:
+        hf, tok = self._load(model, tokenizer, dtype)
+        self.tokenizer = tok
+        mac_config = None
+        if method == "mac":
+            mac_config = (mac if isinstance(mac, MacConfig) else MacConfig(enabled=False) if mac == "off"
+                          else MacConfig() if mac is None else MacConfig.load(mac))
+        elif mac is not None:
+            raise ValueError(f"mac is MAC's configuration; method={method!r} takes none")
+        rc = RuntimeConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device,
+                           use_cuda_graphs=device.startswith("cuda") if use_cuda_graphs is None else use_cuda_graphs,
+                           quantization=quantization)
+        self.engine = LLMEngine(hf, mac_config, rc, method=method)
+
+    @staticmethod
+    def _load(model, tokenizer, dtype):
+        torch_dtype = None if dtype == "auto" else dtype
+        if isinstance(model, str) and model == "builtin":
+            from macattn.models.checkpoint import load_builtin_checkpoint
+
+            hf, tok = load_builtin_checkpoint(dtype=torch_dtype or torch.float32)
+            return hf, tokenizer or tok
+        if isinstance(model, (str, Path)):
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch_dtype or "auto",
+                                                      attn_implementation="sdpa").eval()
+            return hf, tokenizer or AutoTokenizer.from_pretrained(str(model))
+        if tokenizer is None:
+            raise ValueError("tokenizer is required when model is a model object")
+        return (model.to(torch_dtype) if torch_dtype is not None else model), tokenizer
+
+    # --- generation -------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None):
+        """``prompts``: a string, a token id list, or a list of either. Returns one ``RequestOutput``
+        per prompt (a single one for a single prompt). Every request is validated before any runs."""
+        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                              and all(isinstance(t, int) for t in prompts))
+        batch = [prompts] if single else list(prompts)
+        if not batch:
+            raise ValueError("prompts must be a non-empty string, token id list, or list of them")
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(batch)
+        if len(params) != len(batch):
+            raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({len(batch)}), "
+                             f"got {len(params)}")
+        params = [p if p is not None else SamplingParams() for p in params]
+        requests = [self._request(i, p, sp) for i, (p, sp) in enumerate(zip(batch, params))]
+        outputs = self._run(requests)
+        return outputs[0] if single else outputs
+
+    def _request(self, i: int, prompt, sp: SamplingParams):
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(f"sampling_params[{i}] must be a macattn SamplingParams, got {type(sp).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"prompts[{i}] is empty")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=sp.add_special_tokens)
+        else:
+            ids = prompt
+        try:
+            seq = self.engine.make_request(ids, sp.engine_params(self.tokenizer.eos_token_id))
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"prompts[{i}]: {exc}") from None
+        out = RequestOutput(seq.request_id, prompt if isinstance(prompt, str) else None, list(seq.prompt),
+                            [CompletionOutput(0, logprobs=[] if sp.logprobs is not None else None,
+                                              cumulative_logprob=0.0 if sp.logprobs is not None else None)])
+        return seq, sp, out
+
+    def _run(self, requests) -> list[RequestOutput]:
+        start = time.perf_counter()
+        by_id = {seq.request_id: (seq, sp, out, []) for seq, sp, out in requests}
+        for seq, _, _ in requests:
+            self.engine.submit(seq)
+        try:
+            while any(not o.finished for _, _, o, _ in by_id.values()):
+                for step in self.engine.step():
+                    if step.request_id in by_id:
+                        self._record(step, *by_id[step.request_id], start)
+        finally:   # an exception (or a stop) leaves no request of this call behind
+            for rid, (seq, _, out, _) in by_id.items():
+                self.engine.abort(rid)
+                self.engine.requests.pop(rid, None)
+        return [out for _, _, out in requests]
+
+    def _record(self, step, seq, sp: SamplingParams, out: RequestOutput, times: list, start: float) -> None:
+        comp = out.outputs[0]
+        now = time.perf_counter()
+        if step.token is not None:
+            times.append(now)
+            comp.token_ids.append(step.token)
+            if sp.logprobs is not None or sp.return_generation_logits:
+                self._logits(step, sp, comp)
+        reason, stop = ("stop", None) if step.finish_reason == "end_id" else (step.finish_reason, None)
+        if step.token is not None and sp.stop_token_ids and step.token in sp.stop_token_ids:
+            reason, stop = "stop", step.token
+        text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=sp.skip_special_tokens) \
+            if sp.detokenize else ""
+        for s in sp.stop_strings:
+            at = text.find(s)
+            if at >= 0:
+                text, reason, stop = text[:at + (len(s) if sp.include_stop_str_in_output else 0)], "stop", s
+                break
+        comp.text = text
+        if reason is not None:
+            comp.finish_reason, comp.stop_reason, out.finished = reason, stop, True
+            self.engine.abort(seq.request_id)          # frees the slot now (no-op if it already finished)
+            gaps = [b - a for a, b in zip(times, times[1:])]
+            out.metrics = {"ttft_s": times[0] - start if times else None,
+                           "inter_token_latency_s": sum(gaps) / len(gaps) if gaps else None,
+                           "e2e_s": now - start, "num_generated_tokens": len(comp.token_ids)}
+
+    @staticmethod
+    def _logits(step, sp: SamplingParams, comp: CompletionOutput) -> None:
+        row = step.logits.float()
+        if sp.return_generation_logits:
+            row_cpu = row.detach().cpu().unsqueeze(0)
+            comp.generation_logits = row_cpu if comp.generation_logits is None else torch.cat(
+                [comp.generation_logits, row_cpu])
+        if sp.logprobs is not None:
+            lp = torch.log_softmax(row, -1)
+            top = lp.topk(sp.logprobs).indices.tolist() if sp.logprobs else []
+            entry = {int(t): float(lp[t]) for t in [step.token, *top]}
+            comp.logprobs.append(entry)
+            comp.cumulative_logprob += entry[step.token]
