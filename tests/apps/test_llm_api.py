@@ -97,3 +97,65 @@ def test_bad_requests_are_named_and_run_nothing(llm):
     with pytest.raises(ValueError, match="one SamplingParams or one per prompt"):
         llm.generate(["a", "b"], [SamplingParams(), SamplingParams(), SamplingParams()])
     assert not llm.engine.has_unfinished() and not llm.engine.requests
+
+
+def test_streaming_snapshots_grow_to_the_blocking_result(llm):
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = llm.generate(PROMPTS[2], sp).outputs[0]
+    snaps = list(llm.generate_async(PROMPTS[2], sp))
+    assert [len(s.outputs[0].token_ids) for s in snaps] == list(range(1, 9))
+    assert all(not s.finished for s in snaps[:-1]) and snaps[-1].finished
+    assert snaps[-1].outputs[0].token_ids == want.token_ids and snaps[-1].outputs[0].text == want.text
+    assert all(want.text.startswith(s.outputs[0].text.rstrip("\ufffd")) for s in snaps)
+
+    async def consume():
+        return [s async for s in llm.generate_async(PROMPTS[2], sp)]
+
+    import asyncio
+    assert [s.outputs[0].token_ids for s in asyncio.run(consume())] == [s.outputs[0].token_ids for s in snaps]
+
+
+def test_concurrent_callers_get_their_solo_outputs(llm):
+    import threading
+
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [f"{p} {i}" for i in range(3) for p in PROMPTS]
+    solo = {p: llm.generate(p, sp).outputs[0].token_ids for p in prompts}
+    got, errors = {}, []
+
+    def call(p):
+        try:
+            got[p] = llm.generate_async(p, sp).result(timeout=120).outputs[0].token_ids
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and got == solo
+
+
+def test_abort_mid_stream_frees_the_slot(llm):
+    sp = SamplingParams(max_tokens=1000, ignore_eos=True)        # far more than it gets to run
+    handle = llm.generate_async(PROMPTS[0], sp)
+    stream = iter(handle)
+    first = next(stream), next(stream)
+    handle.abort()
+    last = list(stream)[-1]
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    assert len(first[1].outputs[0].token_ids) == 2 and 2 <= len(last.outputs[0].token_ids) < 1000
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
+    # every slot is free again: a full batch runs and equals its solo outputs
+    solo = [llm.generate(p, SamplingParams(max_tokens=5)).outputs[0].token_ids for p in PROMPTS]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=5))] == solo
+
+
+def test_shutdown_stops_the_loop_and_a_new_call_restarts_it():
+    with LLM("builtin", max_batch_size=2, mac="off") as llm:
+        a = llm.generate(PROMPTS[0], SamplingParams(max_tokens=3))
+        thread = llm._engine_loop.thread
+    assert not thread.is_alive()
+    assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=3)).outputs[0].token_ids == a.outputs[0].token_ids
+    llm.shutdown()

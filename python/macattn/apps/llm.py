@@ -12,12 +12,21 @@ token id lists. ``SamplingParams`` takes TensorRT-LLM's field names; sampling is
 not implement are accepted at their neutral values; another value raises ``ValueError`` naming the
 field. Stop strings and extra stop token ids end a request after the step that produced them (its
 slot is freed at once); the text is cut before the stop string unless ``include_stop_str_in_output``.
+
+One engine loop (a daemon thread started on first use) runs the engine's steps for every caller:
+``generate`` (blocking, a batch), ``generate_async`` (a ``RequestHandle``: ``result()``, iteration over
+streamed ``RequestOutput`` snapshots, ``async for``, ``abort()``), from any number of threads; requests
+submitted while others run join the next step (in-flight batching). ``shutdown()`` (or ``with LLM(...)``)
+stops the loop and aborts what is left.
 """
 from __future__ import annotations
 
+import asyncio
 import math
+import queue
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +37,7 @@ from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.engine import LLMEngine
 from macattn.runtime.sampling import SamplingParams as EngineSampling
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestHandle"]
 
 # fields accepted only at these neutral values (name -> values that mean "off")
 _NEUTRAL: dict[str, tuple] = {
@@ -160,6 +169,7 @@ class LLM:
     def __init__(self, model: Any = "builtin", *, tokenizer: Any = None, method: str = "mac", mac: Any = None,
                  dtype: Any = "auto", device: str = "cpu", max_batch_size: int = 8, max_seq_len: int | None = None,
                  quantization: str | None = None, use_cuda_graphs: bool | None = None) -> None:
+        self._engine_loop: _EngineLoop | None = None
         hf, tok = self._load(model, tokenizer, dtype)
         self.tokenizer = tok
         mac_config = None
@@ -204,10 +214,43 @@ class LLM:
         if len(params) != len(batch):
             raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({len(batch)}), "
                              f"got {len(params)}")
-        params = [p if p is not None else SamplingParams() for p in params]
-        requests = [self._request(i, p, sp) for i, (p, sp) in enumerate(zip(batch, params))]
-        outputs = self._run(requests)
+        requests = [self._request(i, p, sp if sp is not None else SamplingParams())
+                    for i, (p, sp) in enumerate(zip(batch, params))]
+        handles = [self._loop().submit(*r) for r in requests]
+        try:
+            outputs = [h.result() for h in handles]
+        finally:   # an interrupted wait leaves no request of this call behind
+            for h in handles:
+                h.abort()
         return outputs[0] if single else outputs
+
+    def generate_async(self, prompt, sampling_params: SamplingParams | None = None) -> "RequestHandle":
+        """Submit one prompt (validated now) and return at once; see ``RequestHandle``."""
+        return self._loop().submit(*self._request(0, prompt, sampling_params or SamplingParams()))
+
+    def shutdown(self) -> None:
+        """Stop the engine loop; requests still running are aborted (their handles end with
+        ``finish_reason="abort"``). A later call starts a new loop."""
+        loop, self._engine_loop = getattr(self, "_engine_loop", None), None
+        if loop is not None:
+            loop.stop()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:   # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _loop(self) -> "_EngineLoop":
+        if self._engine_loop is None:
+            self._engine_loop = _EngineLoop(self)
+        return self._engine_loop
 
     def _request(self, i: int, prompt, sp: SamplingParams):
         if not isinstance(sp, SamplingParams):
@@ -227,59 +270,169 @@ class LLM:
                                               cumulative_logprob=0.0 if sp.logprobs is not None else None)])
         return seq, sp, out
 
-    def _run(self, requests) -> list[RequestOutput]:
-        start = time.perf_counter()
-        by_id = {seq.request_id: (seq, sp, out, []) for seq, sp, out in requests}
-        for seq, _, _ in requests:
-            self.engine.submit(seq)
-        try:
-            while any(not o.finished for _, _, o, _ in by_id.values()):
-                for step in self.engine.step():
-                    if step.request_id in by_id:
-                        self._record(step, *by_id[step.request_id], start)
-        finally:   # an exception (or a stop) leaves no request of this call behind
-            for rid, (seq, _, out, _) in by_id.items():
-                self.engine.abort(rid)
-                self.engine.requests.pop(rid, None)
-        return [out for _, _, out in requests]
 
-    def _record(self, step, seq, sp: SamplingParams, out: RequestOutput, times: list, start: float) -> None:
-        comp = out.outputs[0]
-        now = time.perf_counter()
-        if step.token is not None:
-            times.append(now)
-            comp.token_ids.append(step.token)
-            if sp.logprobs is not None or sp.return_generation_logits:
-                self._logits(step, sp, comp)
-        reason, stop = ("stop", None) if step.finish_reason == "end_id" else (step.finish_reason, None)
-        if step.token is not None and sp.stop_token_ids and step.token in sp.stop_token_ids:
-            reason, stop = "stop", step.token
-        text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=sp.skip_special_tokens) \
-            if sp.detokenize else ""
-        for s in sp.stop_strings:
-            at = text.find(s)
-            if at >= 0:
-                text, reason, stop = text[:at + (len(s) if sp.include_stop_str_in_output else 0)], "stop", s
+def _record(engine: LLMEngine, tokenizer, step, seq, sp: SamplingParams, out: RequestOutput, times: list,
+            start: float) -> None:
+    """Fold one ``StepOutput`` into ``out``: token, logprobs / logits, text, stop conditions, metrics."""
+    comp = out.outputs[0]
+    now = time.perf_counter()
+    if step.token is not None:
+        times.append(now)
+        comp.token_ids.append(step.token)
+        if sp.logprobs is not None or sp.return_generation_logits:
+            _logits(step, sp, comp)
+    reason, stop = ("stop", None) if step.finish_reason == "end_id" else (step.finish_reason, None)
+    if step.token is not None and sp.stop_token_ids and step.token in sp.stop_token_ids:
+        reason, stop = "stop", step.token
+    text = tokenizer.decode(comp.token_ids, skip_special_tokens=sp.skip_special_tokens) \
+        if sp.detokenize else ""
+    for s in sp.stop_strings:
+        at = text.find(s)
+        if at >= 0:
+            text, reason, stop = text[:at + (len(s) if sp.include_stop_str_in_output else 0)], "stop", s
+            break
+    comp.text = text
+    if reason is not None:
+        comp.finish_reason, comp.stop_reason, out.finished = reason, stop, True
+        engine.abort(seq.request_id)          # frees the slot now (no-op if it already finished)
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        out.metrics = {"ttft_s": times[0] - start if times else None,
+                       "inter_token_latency_s": sum(gaps) / len(gaps) if gaps else None,
+                       "e2e_s": now - start, "num_generated_tokens": len(comp.token_ids)}
+
+
+def _logits(step, sp: SamplingParams, comp: CompletionOutput) -> None:
+    """Append the step's generation logits and / or logprobs (``SamplingParams.logprobs``) to ``comp``."""
+    row = step.logits.float()
+    if sp.return_generation_logits:
+        row_cpu = row.detach().cpu().unsqueeze(0)
+        comp.generation_logits = row_cpu if comp.generation_logits is None else torch.cat(
+            [comp.generation_logits, row_cpu])
+    if sp.logprobs is not None:
+        lp = torch.log_softmax(row, -1)
+        top = lp.topk(sp.logprobs).indices.tolist() if sp.logprobs else []
+        entry = {int(t): float(lp[t]) for t in [step.token, *top]}
+        comp.logprobs.append(entry)
+        comp.cumulative_logprob += entry[step.token]
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy a reader may keep while the request goes on (lists copied; logits tensors shared)."""
+    outs = [replace(c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs))
+            for c in out.outputs]
+    return replace(out, outputs=outs, metrics=dict(out.metrics))
+
+
+class RequestHandle:
+    """One submitted request: ``result(timeout)`` blocks for the final ``RequestOutput``; iterating
+    (``for`` or ``async for``) yields a snapshot after every generated token, the last one finished;
+    ``abort()`` ends it now and frees its slot (a client that went away). ``request_id`` is the engine's."""
+
+    def __init__(self, loop: "_EngineLoop", request_id: int) -> None:
+        self._loop, self.request_id = loop, request_id
+        self._updates: queue.Queue = queue.Queue()
+        self._final: RequestOutput | None = None
+        self._error: BaseException | None = None
+
+    def _push(self, snapshot: RequestOutput | BaseException) -> None:
+        self._updates.put(snapshot)
+
+    def _next(self, timeout: float | None = None) -> RequestOutput | None:
+        """The next snapshot, or None once the final one was handed out."""
+        if self._final is not None or self._error is not None:
+            if self._error is not None:
+                raise self._error
+            return None
+        item = self._updates.get(timeout=timeout)
+        if isinstance(item, BaseException):
+            self._error = item
+            raise item
+        if item.finished:
+            self._final = item
+        return item
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        while self._final is None:
+            if self._next(timeout) is None:
                 break
-        comp.text = text
-        if reason is not None:
-            comp.finish_reason, comp.stop_reason, out.finished = reason, stop, True
-            self.engine.abort(seq.request_id)          # frees the slot now (no-op if it already finished)
-            gaps = [b - a for a, b in zip(times, times[1:])]
-            out.metrics = {"ttft_s": times[0] - start if times else None,
-                           "inter_token_latency_s": sum(gaps) / len(gaps) if gaps else None,
-                           "e2e_s": now - start, "num_generated_tokens": len(comp.token_ids)}
+        return self._final
 
-    @staticmethod
-    def _logits(step, sp: SamplingParams, comp: CompletionOutput) -> None:
-        row = step.logits.float()
-        if sp.return_generation_logits:
-            row_cpu = row.detach().cpu().unsqueeze(0)
-            comp.generation_logits = row_cpu if comp.generation_logits is None else torch.cat(
-                [comp.generation_logits, row_cpu])
-        if sp.logprobs is not None:
-            lp = torch.log_softmax(row, -1)
-            top = lp.topk(sp.logprobs).indices.tolist() if sp.logprobs else []
-            entry = {int(t): float(lp[t]) for t in [step.token, *top]}
-            comp.logprobs.append(entry)
-            comp.cumulative_logprob += entry[step.token]
+    def __iter__(self):
+        while (item := self._next()) is not None:
+            yield item
+
+    async def __aiter__(self):
+        while (item := await asyncio.to_thread(self._next)) is not None:
+            yield item
+
+    def abort(self) -> None:
+        self._loop.abort(self.request_id)
+
+
+class _EngineLoop:
+    """The thread that steps the engine for every handle (module doc). The engine is touched only
+    under ``cv``'s lock; a failing step fails every request in flight with its exception."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.engine, self.tokenizer = llm.engine, llm.tokenizer     # not the LLM: it may be collected
+        self.cv = threading.Condition()
+        self.live: dict[int, tuple] = {}          # request_id -> (handle, seq, sp, out, token times, start)
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="macattn-engine-loop", daemon=True)
+        self.thread.start()
+
+    def submit(self, seq, sp: SamplingParams, out: RequestOutput) -> RequestHandle:
+        handle = RequestHandle(self, seq.request_id)
+        with self.cv:
+            if self.stopped:
+                raise RuntimeError("the LLM was shut down")
+            self.engine.submit(seq)
+            self.live[seq.request_id] = (handle, seq, sp, out, [], time.perf_counter())
+            self.cv.notify()
+        return handle
+
+    def abort(self, request_id: int) -> None:
+        with self.cv:
+            entry = self.live.pop(request_id, None)
+            self.engine.abort(request_id)
+            self.engine.requests.pop(request_id, None)
+        if entry is not None and not entry[3].finished:
+            entry[3].outputs[0].finish_reason = "abort"
+            entry[3].finished = True
+            entry[0]._push(_snapshot(entry[3]))
+
+    def stop(self) -> None:
+        with self.cv:
+            self.stopped = True
+            self.cv.notify()
+        self.thread.join()
+        for rid in list(self.live):
+            self.abort(rid)
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.live and not self.stopped:
+                    self.cv.wait()
+                if self.stopped:
+                    return
+                try:
+                    self._step()
+                except BaseException as exc:     # noqa: BLE001 - handed to every waiter
+                    for rid, (handle, *_rest) in list(self.live.items()):
+                        self.engine.abort(rid)
+                        self.engine.requests.pop(rid, None)
+                        handle._push(exc)
+                    self.live.clear()
+
+    def _step(self) -> None:
+        for step in self.engine.step():
+            entry = self.live.get(step.request_id)
+            if entry is None:
+                continue
+            handle, seq, sp, out, times, start = entry
+            _record(self.engine, self.tokenizer, step, seq, sp, out, times, start)
+            handle._push(_snapshot(out))
+            if out.finished:
+                del self.live[step.request_id]
+                self.engine.requests.pop(step.request_id, None)
