@@ -37,6 +37,10 @@ def _cmd_triton_repo(args) -> int:
 
 
 def _cmd_serve(args) -> int:
+    if (args.repo is None) == (args.model is None):
+        raise ValueError("give exactly one of --repo (Triton model repository) and --model (OpenAI-compatible server)")
+    if args.model is not None:
+        return _serve_openai(args)
     import time
 
     from macattn.runtime.triton_server import serve
@@ -50,6 +54,26 @@ def _cmd_serve(args) -> int:
                 time.sleep(1)
         except KeyboardInterrupt:
             pass
+    return 0
+
+
+def _serve_openai(args) -> int:
+    import signal
+
+    import uvicorn
+
+    from macattn.apps.llm import LLM
+    from macattn.apps.openai_server import build_app
+
+    with LLM(args.model, device=args.device, max_batch_size=args.max_batch_size,
+             mac="off" if args.no_mac else None) as llm:
+        name = args.served_model_name or ("builtin" if args.model == "builtin" else str(args.model))
+        # uvicorn stops on SIGINT / SIGTERM (no new connections, in-flight requests get the grace period),
+        # then re-raises the signal under the handlers it found: these swallow it, so the exit status is 0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+        uvicorn.run(build_app(llm, name), host=args.address, port=args.http_port, log_level="warning",
+                    timeout_graceful_shutdown=args.grace_period)
     return 0
 
 
@@ -111,11 +135,18 @@ def build_parser() -> argparse.ArgumentParser:
     tri.add_argument("--no-sync-model", action="store_true", help="write only the decoupled streaming model")
     tri.set_defaults(func=_cmd_triton_repo)
 
-    srv = sub.add_parser("serve", help="serve a model repository with the tritonserver of the nvidia-pytriton wheel")
-    srv.add_argument("--repo", required=True, help="model repository (from macattn triton-repo)")
+    srv = sub.add_parser("serve", help="--model: an OpenAI-compatible server (FastAPI + uvicorn); --repo: a model "
+                                       "repository with the tritonserver of the nvidia-pytriton wheel")
+    srv.add_argument("--repo", default=None, help="model repository (from macattn triton-repo)")
+    srv.add_argument("--model", default=None, help="'builtin' or a transformers model directory (OpenAI server)")
+    srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    srv.add_argument("--device", default="cpu")
+    srv.add_argument("--max-batch-size", type=int, default=8)
+    srv.add_argument("--no-mac", action="store_true", help="full attention instead of MAC (OpenAI server)")
+    srv.add_argument("--grace-period", type=int, default=10, help="seconds in-flight requests get on SIGTERM")
     srv.add_argument("--workdir", default=".tritonserver", help="where the backends copy and the log go")
     srv.add_argument("--address", default="127.0.0.1")
-    srv.add_argument("--http-port", type=int, default=8000, help="0 picks a free port")
+    srv.add_argument("--http-port", type=int, default=8000, help="0 picks a free port (Triton)")
     srv.add_argument("--grpc-port", type=int, default=8001, help="0 picks a free port")
     srv.set_defaults(func=_cmd_serve)
 
