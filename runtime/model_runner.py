@@ -1,11 +1,15 @@
 """``ModelRunner``: TensorRT-LLM's runner interface over the in-flight batching engine.
 
 ``generate`` takes TensorRT-LLM's argument names (``batch_input_ids``, ``max_new_tokens``,
-``end_id``, ``pad_id``, ``temperature``, ``top_k``, ``top_p``, ``random_seed``,
-``streaming``, ``return_dict``, ``output_sequence_lengths``) and returns its format:
+``end_id``, ``pad_id``, ``temperature`` (0 = greedy), ``top_k``, ``top_p``, ``random_seed``,
+``streaming``, ``return_dict``, ``output_sequence_lengths``, ``output_log_probs``,
+``output_cum_log_probs``, ``output_generation_logits``); every other keyword of TensorRT-LLM's
+runners (≤ 1.2) is accepted at its neutral value and refused by name otherwise. It returns the
+upstream format, on the engine's device:
 
 * ``output_ids``: int32 ``[batch, 1, max_input_len + max_new_tokens]`` — prompt followed by
-  the generated tokens, padded with ``pad_id`` (the end token itself is not emitted);
+  the generated tokens, padded with ``end_id`` (``pad_id`` without one; the end token itself is
+  not emitted);
 * ``sequence_lengths`` (with ``output_sequence_lengths=True``): int32 ``[batch, 1]``, prompt
   + generated tokens;
 * ``return_dict=False`` returns ``output_ids`` alone; ``streaming=True`` returns a generator
@@ -29,7 +33,74 @@ from macattn.runtime.sampling import SamplingParams
 
 __all__ = ["ModelRunner"]
 
-_BEAM_KWARGS = ("num_beams", "num_return_sequences")
+
+class _Extras:
+    """Per-request log probabilities and logits rows of the generated tokens (when asked), from the
+    engine's ``StepOutput.logits`` (read at once: on CUDA the row is a graph buffer)."""
+
+    def __init__(self, seqs, max_new_tokens: int, vocab: int, log_probs: bool, logits: bool) -> None:
+        self.row = {s.request_id: i for i, s in enumerate(seqs)}
+        self.want_lp, self.want_logits = log_probs, logits
+        n = len(seqs)
+        self.lp = torch.zeros(n, 1, max_new_tokens, dtype=torch.float32) if log_probs else None
+        self.logits = torch.zeros(n, 1, max_new_tokens, vocab, dtype=torch.float32) if logits else None
+        self.count = [0] * n
+
+    def record(self, step) -> None:
+        b = self.row.get(step.request_id)
+        if b is None or step.token is None or step.logits is None or not (self.want_lp or self.want_logits):
+            return
+        row, j = step.logits.float(), self.count[b]
+        if self.want_lp:
+            self.lp[b, 0, j] = float(torch.log_softmax(row, -1)[step.token])
+        if self.want_logits:
+            self.logits[b, 0, j] = row.cpu()
+        self.count[b] += 1
+
+    def tensors(self, log_probs: bool, cum_log_probs: bool, logits: bool) -> dict:
+        out = {}
+        if log_probs:
+            out["log_probs"] = self.lp.clone()
+        if cum_log_probs:
+            out["cum_log_probs"] = self.lp.sum(-1)
+        if logits:
+            out["generation_logits"] = self.logits.clone()
+        return out
+
+
+def _on(out, device):
+    """``out`` (a tensor or a dict of them) on the engine's ``device``, as upstream returns them."""
+    if isinstance(out, dict):
+        return {k: v.to(device) for k, v in out.items()}
+    return out.to(device)
+
+# TensorRT-LLM (<= 1.2) runner keywords we do not implement, with the values that mean "off": accepted
+# at those (examples/run.py passes most of them on every call), refused by name otherwise
+_UPSTREAM_NEUTRAL: dict[str, tuple] = {
+    "num_beams": (None, 1), "num_return_sequences": (None, 1), "top_p_min": (None,), "top_p_reset_ids": (None,),
+    "top_p_decay": (None,), "min_tokens": (None, 0, 1), "beam_search_diversity_rate": (None, 0.0),
+    "repetition_penalty": (None, 1.0), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
+    "length_penalty": (None, 1.0), "early_stopping": (None, 1), "no_repeat_ngram_size": (None,),
+    "min_p": (None, 0.0), "beam_width_array": (None,), "stop_words_list": (None,), "bad_words_list": (None,),
+    "lora_uids": (None,), "prompt_table": (None,), "prompt_tasks": (None,), "input_token_extra_ids": (None,),
+    "max_attention_window_size": (None,), "sink_token_length": (None,), "position_ids": (None,),
+    "encoder_input_ids": (None,), "encoder_input_features": (None,), "encoder_output_lengths": (None,),
+    "cross_attention_masks": (None,), "mrope_params": (None,), "lookahead_config": (None,),
+    "stopping_criteria": (None,), "logits_processor_names": (None,), "return_all_generated_tokens": (False,),
+    "language_adapter_uids": (None,), "mm_embedding_offloading": (False,), "medusa_choices": (None,),
+    "eagle_choices": (None,), "draft_tokens_list": (None,), "draft_logits_list": (None,),
+    "skip_cross_attn_blocks": (None,),
+}
+
+
+def _check_upstream_kwargs(kwargs: dict) -> None:
+    for name, value in kwargs.items():
+        if name not in _UPSTREAM_NEUTRAL:
+            raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
+        neutral = _UPSTREAM_NEUTRAL[name]
+        lora_off = name == "lora_uids" and isinstance(value, (list, tuple)) and all(int(u) < 0 for u in value)
+        if not lora_off and not any(value is v or (v is not None and value == v) for v in neutral):
+            raise ValueError(f"{name}={value!r} is not supported (accepted: {list(neutral)})")
 
 
 class ModelRunner:
@@ -100,8 +171,9 @@ class ModelRunner:
     def generate(self, batch_input_ids, *, max_new_tokens: int = 1, end_id: int | None = None,
                  pad_id: int | None = None, temperature: float = 1.0, top_k: int = 1, top_p: float = 0.0,
                  random_seed: int | None = None, streaming: bool = False, return_dict: bool = False,
-                 output_sequence_lengths: bool = False, sampling_config: SamplingParams | None = None,
-                 documents=None, question_ids=None, a3=None, **kwargs):
+                 output_sequence_lengths: bool = False, output_log_probs: bool = False,
+                 output_cum_log_probs: bool = False, output_generation_logits: bool = False,
+                 sampling_config: SamplingParams | None = None, documents=None, question_ids=None, a3=None, **kwargs):
         """batch_input_ids: list of 1-D integer tensors ``[seq_len]`` (int32/int64).
 
         Chunked RAG prompts (A3 KV fusion, ``docs/a3.md``): ``documents`` is a list with one
@@ -109,20 +181,23 @@ class ModelRunner:
         the chunk KV store); ``question_ids`` a list of one 1-D tensor per request. Request ``i``'s
         prompt is then ``batch_input_ids[i]`` (the system prompt, may be empty) + the chunks of
         ``documents[i]`` in order + ``question_ids[i]``, and ``output_ids`` holds that whole prompt.
-        ``a3`` (``macattn.methods.a3.reference.A3Config``) overrides the runner's default (``A3Config()`` if none)."""
-        for k in _BEAM_KWARGS:
-            if k in kwargs and kwargs.pop(k) not in (None, 1):
-                raise ValueError(f"{k} must be 1: beam search is not supported")
-        if kwargs:
-            raise TypeError(f"generate() got unsupported arguments {sorted(kwargs)}")
+        ``a3`` (``macattn.methods.a3.reference.A3Config``) overrides the runner's default (``A3Config()`` if none).
+
+        ``temperature=0`` is greedy. ``output_log_probs`` / ``output_cum_log_probs`` /
+        ``output_generation_logits`` add ``log_probs [batch, 1, max_new_tokens]`` (each generated token's
+        log probability, 0 past the end), ``cum_log_probs [batch, 1]`` and ``generation_logits
+        [batch, 1, max_new_tokens, vocab]`` fp32 to the dict. Other upstream keywords: see ``_UPSTREAM_NEUTRAL``."""
+        _check_upstream_kwargs(kwargs)
         if not isinstance(batch_input_ids, (list, tuple)) or not batch_input_ids:
             raise ValueError("batch_input_ids must be a non-empty list of 1-D token id tensors")
         if pad_id is not None and (isinstance(pad_id, bool) or not isinstance(pad_id, int)):
             raise TypeError(f"pad_id must be an int or None, got {pad_id!r}")
-        pad = pad_id if pad_id is not None else (end_id if end_id is not None else 0)
+        pad = end_id if end_id is not None else (pad_id if pad_id is not None else 0)   # upstream pads with end_id
         if sampling_config is None:
-            sampling_config = SamplingParams(max_new_tokens=max_new_tokens, end_id=end_id, temperature=temperature,
-                                             top_k=top_k, top_p=top_p, random_seed=random_seed)
+            greedy = temperature == 0
+            sampling_config = SamplingParams(max_new_tokens=max_new_tokens, end_id=end_id,
+                                             temperature=1.0 if greedy else temperature, top_k=1 if greedy else top_k,
+                                             top_p=0.0 if greedy else top_p, random_seed=random_seed)
         rag = self._rag_prompts(batch_input_ids, documents, question_ids, a3)
         seqs = []
         for i, ids in enumerate(batch_input_ids):
@@ -135,7 +210,10 @@ class ModelRunner:
         for seq in seqs:
             self.engine.submit(seq)
         width = max(len(s.prompt) for s in seqs) + sampling_config.max_new_tokens
-        gen = self._run(seqs, width, pad, return_dict, output_sequence_lengths)
+        extras = _Extras(seqs, sampling_config.max_new_tokens, self.vocab_size, output_log_probs or output_cum_log_probs,
+                         output_generation_logits)
+        gen = self._run(seqs, width, pad, return_dict, output_sequence_lengths, extras,
+                        (output_log_probs, output_cum_log_probs, output_generation_logits))
         if streaming:
             return gen
         result = None
@@ -180,11 +258,15 @@ class ModelRunner:
                                                    max_bytes=config.store_max_bytes)
         return self._chunk_stores[key]
 
-    def _run(self, seqs, width, pad, return_dict, output_sequence_lengths):
+    def _run(self, seqs, width, pad, return_dict, output_sequence_lengths, extras, wanted):
         try:
             while not all(s.finished for s in seqs):
-                self.engine.step()
-                yield self._format(seqs, width, pad, return_dict, output_sequence_lengths)
+                for step in self.engine.step():
+                    extras.record(step)
+                out = self._format(seqs, width, pad, return_dict, output_sequence_lengths)
+                if return_dict:
+                    out.update(extras.tensors(*wanted))
+                yield _on(out, self.engine.config.device)
         finally:   # a generator closed early aborts what it started
             for s in seqs:
                 self.engine.abort(s.request_id)

@@ -41,18 +41,19 @@ def _cmd_serve(args) -> int:
         raise ValueError("give exactly one of --repo (Triton model repository) and --model (OpenAI-compatible server)")
     if args.model is not None:
         return _serve_openai(args)
-    import time
+    import signal
+    import threading
 
     from macattn.runtime.triton_server import serve
 
+    stop = threading.Event()             # SIGTERM (systemd, Kubernetes, docker stop) as well as Ctrl-C
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     with serve(args.repo, args.workdir, http_port=args.http_port, grpc_port=args.grpc_port,
                address=args.address) as running:
         print(f"tritonserver ready: HTTP {running.http_url}, gRPC {running.grpc_url} (log {running.log_path}); "
-              "Ctrl-C stops it", flush=True)
-        try:
-            while running.process.poll() is None:
-                time.sleep(1)
-        except KeyboardInterrupt:
+              "Ctrl-C or SIGTERM stops it", flush=True)
+        while running.process.poll() is None and not stop.wait(0.5):
             pass
     return 0
 

@@ -59,7 +59,7 @@ def test_end_id_stops_and_is_not_emitted(runner):
                           output_sequence_lengths=True)
     assert int(out["sequence_lengths"][0, 0]) == len(p) + k
     assert out["output_ids"][0, 0, len(p):len(p) + k].tolist() == full[:k]
-    assert (out["output_ids"][0, 0, len(p) + k:] == 255).all()
+    assert (out["output_ids"][0, 0, len(p) + k:] == end).all()      # padded with end_id, as upstream
 
 
 def test_streaming_yields_growing_outputs(runner):
@@ -152,3 +152,31 @@ def test_engine_slot_registry_carries_extra_state(runner):
     eng.run_to_completion()
     assert (extra.data[slot] == -1.0).all()
     eng.pop_finished(rid)
+
+
+def test_upstream_keywords_at_neutral_values_and_log_probs(runner):
+    """What TensorRT-LLM's examples/run.py passes on every call is accepted at its defaults; log
+    probabilities / logits are the model's; temperature 0 is greedy."""
+    ps = prompts(2, seed=17)
+    base = runner.generate(ps, max_new_tokens=4, return_dict=True)
+    run_py = dict(num_beams=1, length_penalty=1.0, early_stopping=1, repetition_penalty=1.0, presence_penalty=0.0,
+                  frequency_penalty=0.0, min_p=0.0, stop_words_list=None, bad_words_list=None, lora_uids=["-1", "-1"],
+                  prompt_table=None, prompt_tasks=None, max_attention_window_size=None, sink_token_length=None,
+                  no_repeat_ngram_size=None, medusa_choices=None, eagle_choices=None, return_all_generated_tokens=False,
+                  input_token_extra_ids=None, language_adapter_uids=None, num_return_sequences=None)
+    out = runner.generate(ps, max_new_tokens=4, temperature=0.0, top_k=50, top_p=0.9, return_dict=True,
+                          output_log_probs=True, output_cum_log_probs=True, output_generation_logits=True, **run_py)
+    assert torch.equal(out["output_ids"], base["output_ids"])
+    V = runner.vocab_size
+    assert out["log_probs"].shape == (2, 1, 4) and out["cum_log_probs"].shape == (2, 1)
+    assert out["generation_logits"].shape == (2, 1, 4, V)
+    for b, p in enumerate(ps):
+        gen = out["output_ids"][b, 0, len(p):len(p) + 4]
+        lp = torch.log_softmax(out["generation_logits"][b, 0].double(), -1)
+        assert torch.allclose(out["log_probs"][b, 0].double(), lp[torch.arange(4), gen.long()], atol=1e-5)
+        assert torch.equal(lp.argmax(-1), gen.long())                       # greedy
+    assert torch.allclose(out["cum_log_probs"], out["log_probs"].sum(-1))
+    with pytest.raises(ValueError, match=r"repetition_penalty=1.2 is not supported"):
+        runner.generate(ps, max_new_tokens=2, repetition_penalty=1.2)
+    with pytest.raises(ValueError, match=r"lora_uids=\['3'\] is not supported"):
+        runner.generate(ps, max_new_tokens=2, lora_uids=["3"])

@@ -127,7 +127,9 @@ def test_runner_rejects_a_bad_batch_before_queueing_anything():
         runner.generate(ps, max_new_tokens=0)
     with pytest.raises(ValueError, match="num_beams"):
         runner.generate(ps, max_new_tokens=2, num_beams=4)
-    with pytest.raises(TypeError, match="unsupported arguments"):
+    with pytest.raises(ValueError, match=r"stop_words_list=\[\[1\]\] is not supported \(accepted: \[None\]\)"):
         runner.generate(ps, max_new_tokens=2, stop_words_list=[[1]])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
+        runner.generate(ps, max_new_tokens=2, colour=1)
     assert not runner.engine.has_unfinished()
     assert runner.generate(ps, max_new_tokens=4).shape[0] == 3

@@ -165,3 +165,47 @@ def test_grpc_streaming_matches_model_runner(server, expected):
     expect["5"] = want[5][:stop]              # stopped at end_id, which is not emitted
     assert tokens == expect
     assert counts == {k: len(v) for k, v in expect.items()}     # one streamed response per token
+
+
+def _descendants(pid: int) -> list[int]:
+    import subprocess as sp
+
+    kids = [int(x) for x in sp.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+                                   text=True).stdout.split()]
+    return kids + [d for k in kids for d in _descendants(k)]
+
+
+def test_serve_command_stops_tritonserver_and_its_stubs_on_sigterm(tmp_path):
+    import os
+    import signal
+    import subprocess as sp
+    import sys
+
+    engine = write_engine_dir(tiny_model(), MAC, tmp_path / "engine")
+    write_model_repository(engine, tmp_path / "repo", max_batch_size=2, block_size=8, torch_num_threads=1)
+    proc = sp.Popen([sys.executable, "-m", "macattn.cli", "serve", "--repo", str(tmp_path / "repo"), "--workdir",
+                     str(tmp_path / "work"), "--http-port", "0", "--grpc-port", "0"], stdout=sp.PIPE, stderr=sp.STDOUT,
+                    text=True)
+    try:
+        for line in proc.stdout:
+            if "tritonserver ready" in line:
+                break
+        else:
+            pytest.fail(f"the server did not start (exit {proc.wait()})")
+        family = _descendants(proc.pid)
+        assert family, "tritonserver should run as a child of the command"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+        time.sleep(1)
+        alive = []
+        for pid in family:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        assert not alive, f"left behind: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
