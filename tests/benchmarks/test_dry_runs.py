@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
     ("bench_fp8_linear.py", "max |fp8_linear - reference|"),
     ("eval_two_stage_match.py", "agree exact"),
     ("bench_selectors.py", "every kernel equals its reference"),
+    ("bench_serving.py", "output tok/s"),
 ])
 def test_benchmark_dry_run(script, expect):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--dry-run"], cwd=ROOT,
