@@ -32,7 +32,7 @@ __all__ = ["StepOutput", "LLMEngine", "check_input_ids"]
 @dataclass(frozen=True)
 class StepOutput:
     """token: the id generated for ``request_id`` this step (None if it only finished). logits: the
-    ``[V]`` row it was sampled from (a view, valid until the next step: on CUDA a graph's buffer)."""
+    ``[V]`` row it was sampled from, on the engine's device."""
 
     request_id: int
     token: int | None

@@ -36,7 +36,7 @@ __all__ = ["ModelRunner"]
 
 class _Extras:
     """Per-request log probabilities and logits rows of the generated tokens (when asked), from the
-    engine's ``StepOutput.logits`` (read at once: on CUDA the row is a graph buffer)."""
+    engine's ``StepOutput.logits``."""
 
     def __init__(self, seqs, max_new_tokens: int, vocab: int, log_probs: bool, logits: bool) -> None:
         self.row = {s.request_id: i for i, s in enumerate(seqs)}
