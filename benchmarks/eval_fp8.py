@@ -113,7 +113,8 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['model']:<48} {r['logits_max_abs_diff']:>9.4f} {r['logits_mean_abs_diff']:>9.4f} "
               f"{r['mean_abs_diff_relative']:>8.4f} {r['greedy_agreement']:>12.3f}")
-    out = args.out or (None if dry else "benchmarks/results/eval_fp8_h100.json")
+    out = args.out or (None if dry else Path(__file__).parent / "results" /
+                       f"eval_fp8_{report['device'].split()[1].lower()}.json")
     if out:
         Path(out).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {out}")

@@ -110,8 +110,8 @@ class PluginBinding:
         import torch
 
         dtype = self.to_torch_dtype(t.dtype)
-        size = torch.empty((), dtype=dtype).element_size()
-        raw = _CudaMemory(int(t.data_ptr), tuple(int(n) for n in t.shape), tuple(int(s) for s in t.strides), size)
+        raw = _CudaMemory(int(t.data_ptr), tuple(int(n) for n in t.shape), tuple(int(s) for s in t.strides),
+                          dtype.itemsize)
         return torch.as_tensor(raw, device="cuda").view(dtype)
 
     def launch(self, stream: int, launcher: Callable[..., Any], inputs: Sequence[Any], attrs: Sequence[Any],

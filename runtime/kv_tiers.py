@@ -114,12 +114,8 @@ class KVTiers:
         """Device bytes of one request of ``num_tokens`` prefill tokens (bounds + hot cache)."""
         P = -(-num_tokens // self.config.page_size)
         bounds = 2 * self.num_layers * self.num_kv_heads * P * self.head_dim * 4
-        cache = 2 * self.config.hot_pages * self.config.page_size * self.head_dim * self._itemsize
+        cache = 2 * self.config.hot_pages * self.config.page_size * self.head_dim * self.dtype.itemsize
         return bounds + cache
-
-    @property
-    def _itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
 
     # --- admission -------------------------------------------------------------------------
     def admit(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> RequestTiers:
@@ -135,7 +131,7 @@ class KVTiers:
             raise ValueError(f"slot {slot} already holds a request's tiers; release it first")
         T, page = k.shape[2], self.config.page_size
         P = -(-T // page)
-        host = 2 * L * H * P * page * d * self._itemsize
+        host = 2 * L * H * P * page * d * self.dtype.itemsize
         if self.host_bytes + host > self.config.host_budget_bytes:
             raise ValueError(f"host_budget_bytes={self.config.host_budget_bytes} is too small: the pages of "
                              f"{T} tokens need {host} bytes, {self.host_bytes} are in use")
@@ -209,7 +205,7 @@ class KVTiers:
                 req.hits += 1
             else:
                 req.misses += 1
-                req.bytes_fetched += 2 * page * d * self._itemsize
+                req.bytes_fetched += 2 * page * d * self.dtype.itemsize
                 src_k, src_v = req.k_pages[unit[0], unit[1], unit[2]], req.v_pages[unit[0], unit[1], unit[2]]
                 if not use_cache:
                     out_k[h, j].copy_(src_k, non_blocking=True)

@@ -102,8 +102,8 @@ def _select_kernel(
     inb = j < NSC
     a = tl.load(part_a_ptr + off, mask=inb, other=float("inf"))
     e = tl.load(part_e_ptr + off, mask=inb, other=float("inf"))
-    k = tl.load(part_k_ptr + off, mask=inb, other=_BIG)
-    k = tl.where(a < float("inf"), k, _BIG)              # placeholders sort last among equals
+    slot_k = tl.load(part_k_ptr + off, mask=inb, other=_BIG)
+    k = tl.where(a < float("inf"), slot_k, _BIG)         # placeholders sort last among equals
     chosen = j < 0
     for _ in tl.static_range(C):                          # the C nearest by (approx d2, slot)
         amin = tl.min(a, axis=0)
@@ -112,10 +112,9 @@ def _select_kernel(
         chosen = chosen | pick
         a = tl.where(pick, float("inf"), a)
         k = tl.where(pick, _BIG + 1, k)
-    k = tl.load(part_k_ptr + off, mask=inb, other=_BIG)
     e = tl.where(chosen, e, float("inf"))
     best2 = tl.min(e, axis=0)
-    best_k = tl.min(tl.where(chosen & (e == best2), k, _BIG), axis=0)
+    best_k = tl.min(tl.where(chosen & (e == best2), slot_k, _BIG), axis=0)
     best_k = tl.minimum(tl.maximum(best_k, 0), K - 1)     # no valid candidate: any slot, dist is inf
     slot = tl.load(slots_ptr + b).to(tl.int64)
     p = tl.load(ring_pos_ptr + slot * stride_ps + best_k).to(tl.int64)

@@ -214,7 +214,7 @@ class LLM:
         if len(params) != len(batch):
             raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({len(batch)}), "
                              f"got {len(params)}")
-        requests = [self._request(i, p, sp if sp is not None else SamplingParams())
+        requests = [self._request(p, sp if sp is not None else SamplingParams(), index=i)
                     for i, (p, sp) in enumerate(zip(batch, params))]
         handles = [self._loop().submit(*r) for r in requests]
         try:
@@ -226,7 +226,7 @@ class LLM:
 
     def generate_async(self, prompt, sampling_params: SamplingParams | None = None) -> "RequestHandle":
         """Submit one prompt (validated now) and return at once; see ``RequestHandle``."""
-        return self._loop().submit(*self._request(0, prompt, sampling_params or SamplingParams()))
+        return self._loop().submit(*self._request(prompt, sampling_params or SamplingParams()))
 
     def shutdown(self) -> None:
         """Stop the engine loop; requests still running are aborted (their handles end with
@@ -252,19 +252,23 @@ class LLM:
             self._engine_loop = _EngineLoop(self)
         return self._engine_loop
 
-    def _request(self, i: int, prompt, sp: SamplingParams):
+    def _request(self, prompt, sp: SamplingParams, *, index: int | None = None):
+        """Validate one request (errors name ``prompts[index]`` / ``sampling_params[index]``, or
+        ``prompt`` / ``sampling_params`` for a single one) and build its sequence and output."""
+        where, sp_where = (("prompt", "sampling_params") if index is None
+                           else (f"prompts[{index}]", f"sampling_params[{index}]"))
         if not isinstance(sp, SamplingParams):
-            raise TypeError(f"sampling_params[{i}] must be a macattn SamplingParams, got {type(sp).__name__}")
+            raise TypeError(f"{sp_where} must be a macattn SamplingParams, got {type(sp).__name__}")
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError(f"prompts[{i}] is empty")
+                raise ValueError(f"{where} is empty")
             ids = self.tokenizer.encode(prompt, add_special_tokens=sp.add_special_tokens)
         else:
             ids = prompt
         try:
             seq = self.engine.make_request(ids, sp.engine_params(self.tokenizer.eos_token_id))
         except (ValueError, TypeError) as exc:
-            raise type(exc)(f"prompts[{i}]: {exc}") from None
+            raise type(exc)(f"{where}: {exc}") from None
         out = RequestOutput(seq.request_id, prompt if isinstance(prompt, str) else None, list(seq.prompt),
                             [CompletionOutput(0, logprobs=[] if sp.logprobs is not None else None,
                                               cumulative_logprob=0.0 if sp.logprobs is not None else None)])

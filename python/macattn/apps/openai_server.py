@@ -139,7 +139,8 @@ def build_app(llm: LLM, model_name: str, *, default_max_tokens: int = 16) -> Fas
             handle = llm.generate_async(prompt, req.params(default_max_tokens, logprobs=logprobs, max_tokens=max_tokens))
         except (ValueError, TypeError) as exc:
             metrics.requests.labels(endpoint, "400").inc()
-            return None, _error(400, str(exc).replace("prompts[0]", "prompt"), "prompt")
+            message = str(exc)     # "<field>: ..." or "<field> must be ...": the field leads the message
+            return None, _error(400, message, message.split()[0].rstrip(":"))
         metrics.running.inc()
         return handle, None
 

@@ -62,20 +62,16 @@ class _Linear:
         self.bias = bias
         self.weight = weight if quantization is None else None
         if quantization == "fp8":
-            from macattn.plugins.fp8_linear import quantize_fp8_weight
+            from macattn.plugins.fp8_linear import fp8_linear, fp8_linear_reference, quantize_fp8_weight
 
             self.wq, self.scale = quantize_fp8_weight(weight)
+            # the Triton GEMV on CUDA, its reference elsewhere: chosen once, by the weights' device
+            self._fp8 = fp8_linear if weight.is_cuda else fp8_linear_reference
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
-        if x.is_cuda:
-            from macattn.plugins.fp8_linear import fp8_linear
-
-            return fp8_linear(x, self.wq, self.scale, self.bias)
-        from macattn.plugins.fp8_linear import fp8_linear_reference
-
-        return fp8_linear_reference(x, self.wq, self.scale, self.bias)
+        return self._fp8(x, self.wq, self.scale, self.bias)
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors this projection reads (for byte counts)."""
