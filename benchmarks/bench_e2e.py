@@ -153,7 +153,7 @@ def _record_queries(eng, seqs) -> dict[int, torch.Tensor]:
         rec[layer] = q_pre[:, :, 0].detach().clone()
         return original(module, layer, query, key, value, q_pre, *a, **kw)
 
-    paged = eng.executor.paged
+    paged = eng.executor.decoder
     graphs = paged is not None and paged.use_cuda_graphs
     method.decode = recording
     if graphs:
@@ -186,7 +186,7 @@ def seed_rings(eng, seqs, rate: float, gap: int, gen: torch.Generator) -> None:
 def time_step(eng, seqs, reps: int) -> tuple[list[float], torch.Tensor | None]:
     """Capture (through the engine's own step) and time the bucket's greedy graph."""
     eng.executor.decode_step(seqs)                             # captures the bucket's whole-step graph
-    paged = eng.executor.paged
+    paged = eng.executor.decoder
     if paged is None:
         return [], None
     bucket = paged.buckets[paged.bucket_size(len(seqs))]

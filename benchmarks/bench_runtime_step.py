@@ -64,8 +64,8 @@ def measure(model, *, mac: MacConfig | None, fused: bool, B: int, context: int, 
         eng.step()
     rec = {"mac": mac is not None, "fused_weights": fused, "batch": B, "context": context}
     ex = eng.executor
-    if ex.paged is not None:
-        bucket = ex.paged.buckets[ex.paged.bucket_size(B)]
+    if ex.decoder is not None:
+        bucket = ex.decoder.buckets[ex.decoder.bucket_size(B)]
         us = graph_replay_us(bucket.graphs[True], reps)   # the engine's captured decode step (greedy)
         rec.update(step_us_median=statistics.median(us), step_us_p10=sorted(us)[len(us) // 10],
                    weight_bytes=_weight_bytes(ex))

@@ -3,7 +3,7 @@ runner, and serving.
 
 Modules (nano-vllm style, one job each): ``slots`` (per-request state registry),
 ``block_manager`` + ``kv_cache`` (paged KV), ``scheduler`` (in-flight batching), ``executor``
-(runs the bound model, one ``StepContext`` per call), ``paged_decode`` (per-bucket plans and
+(runs the bound model, one ``StepContext`` per call), ``cuda_decode`` (per-bucket plans and
 CUDA graphs), ``engine`` (requests + steps), ``model_runner`` (``ModelRunner.generate``),
 ``a3_assembly`` + ``chunk_store`` (A3's fused prefill and chunk KV store), ``triton_*`` (Triton
 Inference Server repository, model and server).

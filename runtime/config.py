@@ -28,8 +28,10 @@ class RuntimeConfig:
         ``max_seq_len`` tokens.
     device: where weights, KV blocks and rings live (``"cpu"`` runs the reference ops).
     use_cuda_graphs: capture decode steps per batch bucket and replay them (CUDA only; on
-        the CPU it raises ``NotImplementedError``). On CUDA decode always runs the Triton plan
-        over the paged pool (``runtime/paged_decode.py``); this only chooses graph or eager.
+        the CPU it raises ``NotImplementedError``). On CUDA decode always runs the whole step per
+        batch bucket (``runtime/cuda_decode.py``: the Triton plan over the paged pool, or the
+        method's own state); this only chooses graph or eager (eager where the method's decode is
+        not capturable).
     fused_weights: run the model through ``macattn.models.fused.FusedForward`` (Q/K/V and
         gate/up fused at load, the decode-step kernels between the projections) instead of its
         transformers forward (FastMKA-patched models always run their transformers forward).

@@ -92,7 +92,7 @@ class LLMEngine:
         if self.executor.mka is not None:
             for name, state in self.executor.mka.slot_states().items():
                 self.slot_states.register(name, state)
-        if self.executor.paged is not None:    # the padding rows' scratch, never a request's
+        if self.executor.decoder is not None:    # the padding rows' scratch, never a request's
             self.executor.reserve_scratch(self.slot_states.acquire())
         self.scheduler = Scheduler(self.slot_states, self.executor.blocks)
         self.vocab_size = model.config.vocab_size

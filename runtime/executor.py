@@ -5,9 +5,9 @@ The model is bound in place to the engine's ``AttentionMethod`` (``macattn.model
 Every model call runs inside ``ModelBinding.step(StepContext(...))`` — the one place the
 per-call metadata (state rows, per-request positions, the GPU bucket's plans) is set.
 Per-request RoPE comes from explicit ``position_ids``; K/V go through ``PrefillView`` /
-``DecodeView`` into the paged pool. On CUDA, decode goes through ``PagedDecoder`` (the Triton
-plans over the paged pool, CUDA graphs per batch bucket), which pads batches with a scratch
-state row and a scratch KV block reserved here.
+``DecodeView`` into the paged pool. On CUDA, decode goes through ``CudaDecoder`` (the whole
+step per batch bucket, the Triton plans over the paged pool, CUDA graphs), which pads batches
+with a scratch state row and, over the paged pool, a scratch KV block reserved here.
 
 ``PrefillIO`` is what a whole-request prefill (A3's fused prefix) may do with a request: write
 its prompt K/V rows and run a continued prefill — nothing else of the executor.
@@ -78,12 +78,12 @@ class ModelExecutor:
             self.mka_ctx.bind_runtime(self.mka.state, self.binding)
         self.a3 = A3Prefill(A3Config(), self.method.dims, num_slots=self.num_slots) if self.paged_kv else None
         self.scratch_slot = None
-        self.scratch_block = config.num_blocks if gpu else None
-        self.paged = None
-        if gpu and self.paged_kv:
-            from macattn.runtime.paged_decode import PagedDecoder
+        self.scratch_block = config.num_blocks if gpu and self.paged_kv else None
+        self.decoder = None
+        if gpu:
+            from macattn.runtime.cuda_decode import CudaDecoder
 
-            self.paged = PagedDecoder(self, use_cuda_graphs=config.use_cuda_graphs)
+            self.decoder = CudaDecoder(self, use_cuda_graphs=config.use_cuda_graphs)
 
     @property
     def num_slots(self) -> int:
@@ -145,8 +145,8 @@ class ModelExecutor:
     def decode_step(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor]:
         """One decode step with sampling: ``(next token per request, logits [B, V])``. On CUDA the
         whole step — model and sampler — is one graph replay per batch bucket."""
-        if self.paged is not None:
-            tokens, logits = self.paged.step(seqs)
+        if self.decoder is not None:
+            tokens, logits = self.decoder.step(seqs)
             return tokens.tolist(), logits
         logits = self.decode(seqs)
         return self.sample(seqs, logits), logits
@@ -155,8 +155,8 @@ class ModelExecutor:
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed each request's last generated token at its position ``m = num_tokens - 1``.
         Returns logits ``[B, V]``."""
-        if self.paged is not None:
-            return self.paged.step(seqs)[1]
+        if self.decoder is not None:
+            return self.decoder.step(seqs)[1]
         B = len(seqs)
         m = [s.num_tokens - 1 for s in seqs]
         ids = torch.tensor([[s.output[-1]] for s in seqs], dtype=torch.int64, device=self.device)
@@ -164,7 +164,9 @@ class ModelExecutor:
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64)
         if not self.paged_kv:
             with self.step(slots=slots, positions=positions):
-                return self.run_model(ids, positions.view(B, 1))
+                logits = self.run_model(ids, positions.view(B, 1))
+            self.method.decoded(slots.tolist(), m)
+            return logits
         lengths = [x + 1 for x in m]
         gather = self.blocks.gather_rows(seqs, lengths)                         # [B, T]
         write = torch.stack([self.blocks.rows(s, x, x + 1)[0] for s, x in zip(seqs, m)])

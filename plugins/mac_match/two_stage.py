@@ -29,7 +29,7 @@ from .kernel import check_match_inputs, match_meta
 
 __all__ = ["TwoStageMeta", "two_stage_meta", "launch_two_stage_match", "check_two_stage_inputs"]
 
-_BIG = 1 << 30
+_BIG = tl.constexpr(1 << 30)
 
 
 @triton.jit

@@ -56,7 +56,7 @@ def test_page_selector_equals_the_reference(B, Hq, Hkv, T, d, page, budget):
     assert torch.equal(got[stable], want[stable])
     assert ((got >= -1) & (got < lo.shape[2])).all()
     n_sel = (got >= 0).sum(-1)
-    assert torch.equal(n_sel, torch.minimum(n_pages, torch.tensor(budget)).view(B, 1).expand(B, Hkv))
+    assert torch.equal(n_sel, torch.minimum(host[3], torch.tensor(budget)).view(B, 1).expand(B, Hkv))
 
 
 def test_ties_go_to_the_lower_page_and_empty_requests_select_nothing():

@@ -24,9 +24,10 @@ class CompletionEngine:
     """``LLMEngine(model, method="completion")`` with ``slots`` requests in flight, 128 tokens each."""
 
     def __init__(self, model, cfg: CompletionConfig, *, slots: int = 2, use_op: bool | None = False,
-                 device: str = "cpu", maps=None) -> None:
+                 device: str = "cpu", maps=None, graphs: bool = False) -> None:
         maps = completion_maps(model, cfg) if maps is None else maps
-        self.engine = LLMEngine(model, None, RuntimeConfig(max_batch_size=slots, max_seq_len=128, device=device),
+        self.engine = LLMEngine(model, None, RuntimeConfig(max_batch_size=slots, max_seq_len=128, device=device,
+                                                           use_cuda_graphs=graphs),
                                 method="completion", method_config=cfg,
                                 method_kwargs={"maps": maps, "use_op": use_op})
         self.method = self.engine.method

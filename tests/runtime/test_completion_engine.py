@@ -133,3 +133,17 @@ def test_through_the_ops_equals_the_reference_functions():
     via_ops = _decoder(slots=2, use_op=None)
     assert via_ops.method.use_op and not ref.method.use_op
     assert ref.generate(ps, max_new_tokens=5) == via_ops.generate(ps, max_new_tokens=5)
+
+
+def test_through_the_ops_with_a_budget_fraction_groups_rows_by_top_k():
+    """A budget fraction gives each request its own Top-k: the op path calls the op once per distinct
+    k over the state's rows in place (rows of other groups dropped) = the reference functions; such
+    a decode reads host values, so it is not captured, while a fixed top_k through the op is."""
+    cfg = CompletionConfig(n_sink=2, n_tail=4, top_k=None, budget=0.2, feature_dim=16, hidden=32)
+    ps = prompts(3, seed=14, lo=25, hi=70)
+    ops = _decoder(cfg, slots=3, use_op=None)
+    assert ops.generate(ps, max_new_tokens=4) == _decoder(cfg, slots=3).generate(ps, max_new_tokens=4)
+    assert len({e["retrieved"] for e in ops.method.step_log}) > 1, "the prompts should need different k"
+    assert not ops.method.decode_capturable()
+    assert _decoder(slots=1, use_op=None).method.decode_capturable()
+    assert not _decoder(slots=1).method.decode_capturable()

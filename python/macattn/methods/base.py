@@ -142,6 +142,15 @@ class AttentionMethod:
         out, _ = fallback(module, query, key, value, attention_mask, scaling=scale, **kwargs)
         return out
 
+    def decode_capturable(self) -> bool:
+        """Whether this instance's decode (its config included) runs with no host synchronisation,
+        so the runtime may capture it (only asked when ``capabilities.cuda_graphs`` is set)."""
+        return True
+
+    def decoded(self, slots: list[int], positions: list[int]) -> None:
+        """Host-side bookkeeping after a decode step of the requests in ``slots`` at ``positions``
+        (called by the runtime outside any captured graph; plain ints, no device reads)."""
+
     # --- optional whole-request hooks ---------------------------------------------------------
     def prefill_request(self, io, seq) -> torch.Tensor | None:
         """Build request ``seq``'s prompt KV through the executor's ``io`` (``PrefillIO``) and

@@ -6,9 +6,12 @@ a KV cache and this method is the cache).
   ``log φ_k`` of its keys go to its rows and the stable completion cache of its mid region is
   built (``macattn::completion_cache``; ``build_completion_cache`` with ``use_op=False``);
 * decode (requests of different lengths, one token each at ``StepContext.positions``): the
-  token's K/V are appended to the rows and attention is ``macattn::retrieval_completion`` (on
-  CUDA the Triton kernels once ``register_kernels()`` ran, on the CPU the fp64 reference; with
-  ``selector="pages"`` the reference with ``PageSummaryTopK``).
+  token's K/V are appended to the rows and attention is ``macattn::retrieval_completion`` over
+  the state's rows in place, picked by slot (on CUDA the Triton kernels once
+  ``register_kernels()`` ran, on the CPU the fp64 reference; with ``selector="pages"`` the
+  reference functions with ``PageSummaryTopK``). With a fixed ``top_k`` the op path has no host
+  synchronisation, so the runtime captures the whole step in a CUDA graph
+  (``decode_capturable``); the per-step log is written by ``decoded`` from host values.
 
 ``budget_report`` gives the KV reads per decode step and KV head in token-equivalents
 (``macattn.methods.completion.reference.token_equivalents``) over the logged steps.
@@ -36,7 +39,8 @@ class CompletionAttention(AttentionMethod):
 
     name: ClassVar[str] = "completion"
     config_type: ClassVar[type] = CompletionConfig
-    capabilities: ClassVar[Capabilities] = Capabilities(paged_kv=False, onnx_export=True, tensorrt_plugin=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(paged_kv=False, cuda_graphs=True, onnx_export=True,
+                                                        tensorrt_plugin=True)
 
     def __init__(self, config: CompletionConfig, dims: ModelDims, *, num_slots: int,
                  maps: CompletionFeatureMaps, max_seq_len: int, use_op: bool | None = None) -> None:
@@ -57,6 +61,7 @@ class CompletionAttention(AttentionMethod):
         self.selector = make_selector(config.selector, page_size=config.page_size, overfetch=config.page_overfetch)
         self.step_log: list[dict] = []   # one entry per (decode step, request)
         self._request_of_slot = [-1] * num_slots
+        self._n_prefill = [0] * num_slots      # host copy of state.n_prefill (set at prefill)
         self._next_request = 0
 
     def slot_states(self):
@@ -94,51 +99,107 @@ class CompletionAttention(AttentionMethod):
         st.n_prefill[s] = T
         if layer == 0:
             self._request_of_slot[s], self._next_request = self._next_request, self._next_request + 1
+            self._n_prefill[s] = T
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
                                                                enable_gqa=True)
         return out.transpose(1, 2)
 
+    def decode_capturable(self) -> bool:
+        # a Top-k budget fraction makes k a per-request host value (one op call per distinct k),
+        # and the fp64 reference path reads lengths on the host
+        return self.use_op and self.config.top_k is not None
+
     def decode(self, module, layer, query, key, value, q_pre, attention_mask, scale, step, fallback, **kwargs):
-        st, cfg = self.state, self.config
+        st = self.state
         slots = self._slots(step)
         B = query.shape[0]
         if step.positions is None or step.positions.shape != (B,):
             raise ValueError(f"retrieval-completion decode needs StepContext.positions [B]={B}")
         pos = step.positions.to(slots.device)
-        if bool((pos >= st.max_seq_len).any()):
+        # the engine admits prompt + max_new_tokens <= max_seq_len; eager calls check it again
+        capturing = pos.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and bool((pos >= st.max_seq_len).any()):
             raise ValueError(f"a request is full (max_seq_len={st.max_seq_len})")
         rows = torch.arange(B, device=query.device)
         for name, x in (("k", key), ("v", value)):
             getattr(st, name)[layer][slots, :, pos] = x[rows, :, 0]
         seq_lens = pos + 1
         st.seq_len[slots] = seq_lens
-        width = int(seq_lens.max())
         q = query[:, :, 0]
         with torch.no_grad():
             lpq = self.maps.log_phi_q(layer, q)
+        if self.use_op:
+            out = self._decode_op(layer, q, lpq, slots, seq_lens, scale)
+        else:
+            out = self._decode_reference(layer, q, lpq, slots, seq_lens, scale)
+        return out.unsqueeze(1)
+
+    def _decode_op(self, layer, q, lpq, slots, seq_lens, scale) -> torch.Tensor:
+        """``macattn::retrieval_completion`` over every slot's rows in place (no gathered copy of
+        any K/V): rows not in this step see their first token only (length 1, no prefill) and
+        their outputs are dropped. One call per distinct Top-k (one call with a fixed ``top_k``,
+        which the op clamps to each row's mid region)."""
+        st, cfg = self.state, self.config
+        S = st.num_slots
+        if cfg.top_k is not None:
+            groups = [(cfg.top_k, None)]
+        else:
+            ks = [self._k_of(s) for s in slots.tolist()]
+            groups = [(k, torch.tensor([i for i, kk in enumerate(ks) if kk == k], device=q.device))
+                      for k in sorted(set(ks))]
+        out = torch.empty_like(q)
+        for k, idx in groups:
+            sl, qs, lq, ln = (slots, q, lpq, seq_lens) if idx is None else (slots[idx], q[idx], lpq[idx], seq_lens[idx])
+            lens = torch.ones(S, dtype=ln.dtype, device=ln.device)
+            lens[sl] = ln
+            npf = torch.zeros_like(lens)
+            npf[sl] = st.n_prefill[sl]
+            q_all = qs.new_zeros((S,) + tuple(qs.shape[1:]))
+            q_all[sl] = qs
+            lpq_all = lq.new_zeros((S,) + tuple(lq.shape[1:]))
+            lpq_all[sl] = lq
+            res = torch.ops.macattn.retrieval_completion(
+                q_all, st.k[layer], st.v[layer], lens, npf, lpq_all, st.log_phi_k[layer], st.comp_a[layer],
+                st.comp_b[layer], st.comp_shift[layer], cfg.n_sink, cfg.n_tail, k, scale)
+            if idx is None:
+                out = res[sl]
+            else:
+                out[idx] = res[sl]
+        return out
+
+    def _decode_reference(self, layer, q, lpq, slots, seq_lens, scale) -> torch.Tensor:
+        """The fp64 reference functions on gathered rows (``use_op=False``, or a non-exact selector)."""
+        st, cfg = self.state, self.config
+        width = int(seq_lens.max())
         npf = st.n_prefill[slots]
         out = torch.empty_like(q)
-        ks = [cfg.k_for(partition(int(n), int(n), n_sink=cfg.n_sink, n_tail=cfg.n_tail).mid_len) for n in npf]
+        ks = [self._k_of(s) for s in slots.tolist()]
         for k in sorted(set(ks)):   # one call per distinct Top-k (differs per row only with a budget fraction)
-            idx = torch.tensor([i for i, kk in enumerate(ks) if kk == k], dtype=torch.int64, device=query.device)
+            idx = torch.tensor([i for i, kk in enumerate(ks) if kk == k], dtype=torch.int64, device=q.device)
             sl = slots[idx]
             args = (q[idx], st.k[layer][sl, :, :width], st.v[layer][sl, :, :width], seq_lens[idx], npf[idx],
                     lpq[idx], st.log_phi_k[layer][sl, :, :width], st.comp_a[layer][sl], st.comp_b[layer][sl],
                     st.comp_shift[layer][sl])
-            if self.use_op:
-                out[idx] = torch.ops.macattn.retrieval_completion(*args, cfg.n_sink, cfg.n_tail, k, scale)
-            elif cfg.selector == "exact":
+            if cfg.selector == "exact":
                 out[idx] = retrieval_completion_step(*args, n_sink=cfg.n_sink, n_tail=cfg.n_tail, top_k=k, scale=scale)
             else:
                 out[idx] = hybrid_decode_step(*args[:5], n_sink=cfg.n_sink, n_tail=cfg.n_tail, top_k=k, scale=scale,
                                               selector=self.selector, completion=args[5:])
-        if layer == 0:
-            for i in range(B):
-                p = partition(int(npf[i]), int(seq_lens[i]), n_sink=cfg.n_sink, n_tail=cfg.n_tail)
-                self.step_log.append({"request": self._request_of_slot[int(slots[i])], "n_prefill": p.n_prefill,
-                                      "seq_len": p.seq_len, "mid": p.mid_len, "retrieved": ks[i],
-                                      "exact": p.seq_len - p.mid_len + ks[i]})
-        return out.unsqueeze(1)
+        return out
+
+    def _k_of(self, slot: int) -> int:
+        """Top-k of the request in ``slot`` (from its prefill length, a host value kept at prefill)."""
+        n, cfg = self._n_prefill[slot], self.config
+        return cfg.k_for(partition(n, n, n_sink=cfg.n_sink, n_tail=cfg.n_tail).mid_len)
+
+    def decoded(self, slots: list[int], positions: list[int]) -> None:
+        cfg = self.config
+        for s, m in zip(slots, positions):
+            p = partition(self._n_prefill[s], m + 1, n_sink=cfg.n_sink, n_tail=cfg.n_tail)
+            k = self._k_of(s)
+            self.step_log.append({"request": self._request_of_slot[s], "n_prefill": p.n_prefill,
+                                  "seq_len": p.seq_len, "mid": p.mid_len, "retrieved": k,
+                                  "exact": p.seq_len - p.mid_len + k})
 
     # --- accounting -----------------------------------------------------------------------
     def budget_report(self, gen_len: int | None = None) -> dict:

@@ -14,6 +14,8 @@ from the ring, which is the same function.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from macattn.core.validation import check_choice
@@ -34,7 +36,13 @@ def sketch_dims(kind: str, head_dim: int) -> int:
 
 
 def sketch_projection(head_dim: int, dims: int, device=None) -> torch.Tensor:
-    """The fixed ``[head_dim, dims]`` fp32 projection (Gaussian, scaled by ``1 / sqrt(dims)``)."""
+    """The fixed ``[head_dim, dims]`` fp32 projection (Gaussian, scaled by ``1 / sqrt(dims)``); one
+    shared read-only tensor per device, so a captured step never copies it from the host."""
+    return _projection(head_dim, dims, str(torch.device(device or "cpu")))
+
+
+@functools.lru_cache(maxsize=None)
+def _projection(head_dim: int, dims: int, device: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(_SEED + 1009 * head_dim + dims)
     return (torch.randn(head_dim, dims, generator=g) / dims ** 0.5).to(device)
 

@@ -17,8 +17,9 @@ __all__ = ["FastMka"]
 class FastMka(AttentionMethod):
     name: ClassVar[str] = "mka"
     config_type: ClassVar[type] = MkaConfig
-    capabilities: ClassVar[Capabilities] = Capabilities(paged_kv=True, onnx_export=True, tensorrt_plugin=True,
-                                                        needs_pre_rope_query=True, composes=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(paged_kv=True, cuda_graphs=True, onnx_export=True,
+                                                        tensorrt_plugin=True, needs_pre_rope_query=True,
+                                                        composes=True)
 
     def __init__(self, config: MkaConfig, dims: ModelDims, *, num_slots: int) -> None:
         super().__init__(config, dims, num_slots=num_slots)

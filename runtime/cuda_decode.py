@@ -1,22 +1,25 @@
-"""GPU decode: the patched model over the paged KV pool with the Triton MAC plan, and the
-sampler, per batch bucket, replayed as one CUDA graph.
+"""GPU decode: the bound model's whole step per batch bucket, replayed as one CUDA graph.
 
 FlashInfer's plan()/run() split, applied to the whole model step: per batch bucket
 ``nb`` (powers of two up to ``max_batch_size``) one ``DecodeBucket`` holds the static
-inputs (token ids, positions ``m``, ring slots, page table, KV write rows, sampling rows), one
-``MacDecodePlan`` per distinct layer configuration (window, band, tau) and, with
-``use_cuda_graphs``, the captured steps: embedding -> layers -> final norm -> logits -> next
-tokens, one graph per sampler variant (``greedy``: argmax only; ``sampled``: temperature /
-top-k / top-p, captured the first time a batch has a sampling request). The host writes the
-inputs, replays, and reads the tokens back: the one synchronisation of a step. ``decode`` pads a batch of ``B <= nb`` requests
-with rows that point at a scratch ring slot and a scratch KV block (owned by the executor,
-never handed to a request), so padding never touches a request's state.
+inputs (token ids, positions ``m``, state slots, sampling rows; for a method over the paged KV
+pool also the page table, the KV write rows and one ``MacDecodePlan`` per distinct layer
+configuration (window, band, tau)) and, with ``use_cuda_graphs``, the captured steps: embedding
+-> layers -> final norm -> logits -> next tokens, one graph per sampler variant (``greedy``:
+argmax only; ``sampled``: temperature / top-k / top-p, captured the first time a batch has a
+sampling request). The host writes the inputs, replays, and reads the tokens back: the one
+synchronisation of a step. ``step`` pads a batch of ``B <= nb`` requests with rows that point
+at a scratch state slot (and a scratch KV block), owned by the executor and never handed to a
+request, so padding never touches a request's state.
 
-The attention of every layer (the bound method, ``StepContext.paged``) runs
+Over the paged pool, every layer's attention (the bound method, ``StepContext.paged``) runs
 ``MacDecodePlan.run`` (MAC: match, device-side plan, split-KV attention over the pages, merge +
-ring append) or ``run_full`` (MAC off in a layer, and the full-attention method): no host
-synchronisation anywhere in the step. Diagnostics (hit rate, skipped prefix, gap) are recorded after the step from the
-per-layer ``match_pos`` buffers of the real rows.
+ring append) or ``run_full`` (MAC off in a layer, and the full-attention method). A method that
+keeps its own KV (``capabilities.paged_kv`` False: retrieval-completion) gets the slots and
+positions only. Graphs are captured when every bound method (and FastMKA composed with it)
+declares ``cuda_graphs`` and ``decode_capturable()`` holds for its config. Diagnostics (MAC hit rate, skipped
+prefix, gap) are recorded after the step from the per-layer ``match_pos`` buffers of the real
+rows; a method's host-side bookkeeping runs in its ``decoded`` hook.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from macattn.methods.mac.backend import MacAttention
 from macattn.runtime.kv_cache import PagedWriteView
 from macattn.runtime.sampling import SamplingBatch, sample_tokens
 
-__all__ = ["DecodeBucket", "PagedDecoder"]
+__all__ = ["DecodeBucket", "CudaDecoder"]
 
 FULL_PLAN = "full"   # the plan key of the full-attention method (an attend-only plan)
 
@@ -37,10 +40,10 @@ FULL_PLAN = "full"   # the plan key of the full-attention method (an attend-only
 class DecodeBucket:
     """Static tensors of one batch bucket (``nb`` rows, on the model's device).
 
-    ids ``[nb, 1]`` int64, positions ``[nb]`` int64, slots ``[nb]`` int64, page_table
-    ``[nb, max_pages]`` int32, write_rows ``[nb]`` int64 (flat pool row of position ``m``),
-    mask ``[nb, 1, 1, 1]`` bool (all true: the op masks by position), sampling: the rows'
-    ``SamplingBatch``. plans: layer params -> ``MacDecodePlan``. match_pos: layer -> ``[nb, Hq]``
+    ids ``[nb, 1]`` int64, positions ``[nb]`` int64, slots ``[nb]`` int64, sampling: the rows'
+    ``SamplingBatch``. Over the paged pool only (else None): page_table ``[nb, max_pages]``
+    int32, write_rows ``[nb]`` int64 (flat pool row of position ``m``), mask ``[nb, 1, 1, 1]``
+    bool (all true: the op masks by position). plans: layer params -> ``MacDecodePlan``. match_pos: layer -> ``[nb, Hq]``
     int64 written each step. graphs / outputs: per sampler variant (``greedy``: bool), the captured
     step and its ``(tokens [nb], logits [nb, V])``.
     """
@@ -49,10 +52,10 @@ class DecodeBucket:
     ids: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor
-    page_table: torch.Tensor
-    write_rows: torch.Tensor
-    mask: torch.Tensor
     sampling: SamplingBatch
+    page_table: torch.Tensor | None = None
+    write_rows: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
     plans: dict = field(default_factory=dict)
     match_pos: dict = field(default_factory=dict)
     graphs: dict = field(default_factory=dict)
@@ -77,14 +80,18 @@ class DecodeBucket:
         return plan.run_full(q, k_pages, v_pages, positions, page_table=self.page_table, check=False)
 
 
-class PagedDecoder:
+class CudaDecoder:
     """Decode steps of a ``ModelExecutor`` on CUDA (see module doc)."""
 
     def __init__(self, executor, *, use_cuda_graphs: bool) -> None:
         from macattn.plugins.decode_plan import MacDecodePlan
 
         self.ex = executor
-        self.use_cuda_graphs = use_cuda_graphs and executor.method.capabilities.cuda_graphs
+        # FastMKA composes with the attention method: both must declare a capturable decode
+        methods = [executor.method] + ([executor.mka] if executor.mka is not None else [])
+        self.use_cuda_graphs = use_cuda_graphs and all(m.capabilities.cuda_graphs and m.decode_capturable()
+                                                       for m in methods)
+        self.paged_kv = executor.paged_kv
         self._plan_cls = MacDecodePlan
         cfg = executor.config
         self.max_pages = -(-cfg.max_seq_len // cfg.block_size)
@@ -107,11 +114,14 @@ class PagedDecoder:
             ids=torch.empty(nb, 1, dtype=torch.int64, device=dev),
             positions=torch.empty(nb, dtype=torch.int64, device=dev),
             slots=torch.empty(nb, dtype=torch.int64, device=dev),
-            page_table=torch.empty(nb, self.max_pages, dtype=torch.int32, device=dev),
-            write_rows=torch.empty(nb, dtype=torch.int64, device=dev),
-            mask=torch.ones(nb, 1, 1, 1, dtype=torch.bool, device=dev),
             sampling=SamplingBatch.empty(nb, dev))
+        if self.paged_kv:
+            b.page_table = torch.empty(nb, self.max_pages, dtype=torch.int32, device=dev)
+            b.write_rows = torch.empty(nb, dtype=torch.int64, device=dev)
+            b.mask = torch.ones(nb, 1, 1, 1, dtype=torch.bool, device=dev)
         self._write_inputs(b, [])
+        if not self.paged_kv:
+            return b
         def plan(window: int, band: int, tau: float | None):
             return self._plan_cls(
                 batch_size=nb, max_context=ex.config.max_seq_len, num_q_heads=hf.num_attention_heads,
@@ -147,8 +157,12 @@ class PagedDecoder:
 
     def _forward(self, b: DecodeBucket, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         ex = self.ex
-        with ex.step(slots=b.slots, positions=b.positions, paged=b):
-            logits = ex.run_model(b.ids, b.positions.view(b.nb, 1), b.mask, PagedWriteView(ex.kv, b.write_rows))
+        if not self.paged_kv:
+            with ex.step(slots=b.slots, positions=b.positions):
+                logits = ex.run_model(b.ids, b.positions.view(b.nb, 1))
+        else:
+            with ex.step(slots=b.slots, positions=b.positions, paged=b):
+                logits = ex.run_model(b.ids, b.positions.view(b.nb, 1), b.mask, PagedWriteView(ex.kv, b.write_rows))
         return sample_tokens(logits, b.sampling, greedy_only=greedy), logits
 
     def _write_inputs(self, b: DecodeBucket, seqs) -> None:
@@ -158,16 +172,17 @@ class PagedDecoder:
         nb, bs = b.nb, ex.config.block_size
         m = [s.num_tokens - 1 for s in seqs]
         pad = nb - len(seqs)
-        table = torch.full((nb, self.max_pages), ex.scratch_block, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            table[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        rows = [s.block_table[x // bs] * bs + x % bs for s, x in zip(seqs, m)] + [ex.scratch_block * bs] * pad
         b.ids.copy_(torch.tensor([[s.output[-1]] for s in seqs] + [[0]] * pad), non_blocking=True)
         b.positions.copy_(torch.tensor(m + [0] * pad), non_blocking=True)
         b.slots.copy_(torch.tensor([s.slot for s in seqs] + [ex.scratch_slot] * pad), non_blocking=True)
-        b.page_table.copy_(table, non_blocking=True)
-        b.write_rows.copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
         b.sampling.copy_(SamplingBatch.of(ex.sampling_rows(seqs), "cpu", pad_to=nb))
+        if self.paged_kv:
+            table = torch.full((nb, self.max_pages), ex.scratch_block, dtype=torch.int32)
+            for i, s in enumerate(seqs):
+                table[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+            rows = [s.block_table[x // bs] * bs + x % bs for s, x in zip(seqs, m)] + [ex.scratch_block * bs] * pad
+            b.page_table.copy_(table, non_blocking=True)
+            b.write_rows.copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
 
     # --- one step --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -193,6 +208,7 @@ class PagedDecoder:
             logits = logits[:B]
         tokens = tokens[:B].cpu()
         method = ex.method
+        method.decoded([s.slot for s in seqs], [s.num_tokens - 1 for s in seqs])
         if isinstance(method, MacAttention):
             for layer, mp in b.match_pos.items():
                 if method.collect_diagnostics:

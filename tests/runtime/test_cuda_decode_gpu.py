@@ -1,4 +1,4 @@
-"""The runtime's GPU decode (``runtime/paged_decode.py``): the Triton MAC plan over the paged
+"""The runtime's GPU decode (``runtime/cuda_decode.py``): the Triton MAC plan over the paged
 pool, CUDA graphs per batch bucket, scratch-padded buckets. Marked ``gpu``.
 
 Requests are teacher-forced with a fixed token script, so every engine sees the same inputs
@@ -8,7 +8,9 @@ and their logits can be compared step by step:
 * GPU paged path == the CPU reference runtime (MAC off: full attention, no match decisions
   that rounding could flip) within TF32/fp32 tolerance;
 * in-flight batching with padding (6 requests through 4 slots, buckets 1/2/4): each request's
-  logits equal its solo run (no state of one request visible to another, none left in a reused slot).
+  logits equal its solo run (no state of one request visible to another, none left in a reused slot);
+* the same three for a FastMKA-patched model (route-fused K/V inputs, the session summary in
+  runtime-owned rows updated inside the captured step).
 """
 from __future__ import annotations
 
@@ -162,3 +164,36 @@ def test_fp8_paged_gpu_path_equals_cpu_fp8_reference():
     for i in range(3):
         for step, (a, b) in enumerate(zip(gpu.logits[i], cpu.logits[i])):
             assert _rel(a, b) < 5e-3, f"request {i} step {step}: rel err {_rel(a, b):.2e}"
+
+
+def _mka_model(device):
+    from macattn.methods.mka.config import MkaConfig
+    from macattn.models.mka import patch_mka
+
+    model = build_builtin_model("llama", seed=3)
+    patch_mka(model, MkaConfig(summary="ema", ema_beta=0.8, seed=3)).set_gate(0.9)
+    return model.to(device)
+
+
+@pytest.mark.parametrize("mac", [MAC, MacConfig(enabled=False)], ids=["mac-on", "mac-off"])
+def test_fastmka_whole_step_graph(mac):
+    """FastMKA composes with MAC / full attention inside the captured step: replay == eager bit for
+    bit, == the CPU reference runtime (MAC off), and batched (6 requests, 4 slots) == solo."""
+    prompts, script = _prompts(6, seed=10), _script(6, 9, seed=10)
+    order = [3, 0, 5, 1, 4, 2]
+    eager = _run(lambda: _mka_model("cuda"), mac, "cuda", False, prompts, script, 9, order=order)
+    graph = _run(lambda: _mka_model("cuda"), mac, "cuda", True, prompts, script, 9, order=order)
+    assert graph.executor.decoder.use_cuda_graphs and graph.executor.decoder.buckets
+    assert all(b.graphs for b in graph.executor.decoder.buckets.values())
+    for i in range(6):
+        for a, b in zip(eager.logits[i], graph.logits[i]):
+            assert torch.equal(a, b)
+    if not mac.enabled:
+        cpu = _run(lambda: _mka_model("cpu"), mac, "cpu", False, prompts, script, 9, order=order)
+        for i in range(6):
+            for step, (a, b) in enumerate(zip(graph.logits[i], cpu.logits[i])):
+                assert _rel(a, b) < 5e-3, f"request {i} step {step}: rel err {_rel(a, b):.2e}"
+    for i in (0, 5):
+        solo = _run(lambda: _mka_model("cuda"), mac, "cuda", True, [prompts[i]], {0: script[i]}, 9)
+        for step, (a, b) in enumerate(zip(graph.logits[i], solo.logits[0])):
+            assert _rel(a, b) < 2e-2, f"request {i} step {step}: rel err {_rel(a, b):.2e} vs solo"
