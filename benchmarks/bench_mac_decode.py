@@ -194,6 +194,42 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
+TWO_STAGE = (("fp8", 4), ("proj32_fp8", 4), ("proj16", 4))   # (match_sketch, match_candidates) timed
+
+
+def two_stage_rows(B, ctx, sets, args, exact_hit_rate, n_sets) -> dict:
+    """MAC all-hit with ``MacConfig(match="two_stage")``: the whole step and the match stage alone (the
+    query's sketch, candidate and select kernels, the sketch append), per variant."""
+    from macattn.methods.mac.match_sketch import sketch, sketch_dims, sketch_dtype, sketch_projection_of
+
+    rows = {}
+    for kind, C in TWO_STAGE:
+        plan = make_plan(B, ctx, PAGE_SIZE, match_candidates=C, match_sketch_dims=sketch_dims(kind, D),
+                         match_sketch_itemsize=sketch_dtype(kind).itemsize, **args.plan_kw)
+        srings = [sketch(s.qring, kind).to(sketch_dtype(kind)) for s in sets]
+        proj = sketch_projection_of(kind, D, "cuda")
+
+        def step(s, sr):
+            return plan.run(s.q, s.q_pre, s.k, s.v, s.positions, s.slots, *s.ring_args(), page_table=s.page_table,
+                            check=False, sring=sr, proj=proj)
+
+        def match(s, sr):
+            plan.run_two_stage_match(s.q_pre, proj, s.qring, sr, s.ring_pos, s.ring_lse, s.slots, s.positions)
+
+        s0 = sets[0]
+        _, mp, _ = plan.run(s0.q, s0.q_pre, s0.k, s0.v, s0.positions, s0.slots, *s0.ring_args(),
+                            page_table=s0.page_table, sring=srings[0], proj=proj)
+        hit = float((mp >= 0).float().mean())
+        full = time_graph([lambda s=s, sr=sr: step(s, sr) for s, sr in zip(sets, srings)], reps_for(30, n_sets))
+        only = time_graph([lambda s=s, sr=sr: match(s, sr) for s, sr in zip(sets, srings)], reps_for(10, n_sets))
+        ring = srings[0]
+        rows[f"{kind} C={C}"] = {"step": full, "match_us": only["median_us"], "hit_rate": hit,
+                                 "exact_hit_rate": exact_hit_rate,
+                                 "sketch_ring_bytes": ring.numel() * ring.element_size(), "plan": repr(plan.two_stage)}
+        del plan, srings
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------
 # one grid point
 # ---------------------------------------------------------------------------------------------
@@ -260,6 +296,8 @@ def run_point(B, ctx, args, pbar=None, fi_ok=True):
     for name, fns in stage_fns(plan, sets).items():
         res["breakdown_us"][name] = time_graph(fns, reps_for(10, n_sets))["median_us"]
     tick("breakdown")
+    res["two_stage"] = two_stage_rows(B, ctx, sets, args, res["checks"]["mac_hit_rate"], n_sets)
+    tick("two_stage")
     full_plan = plan
     full_fns = [lambda s=s: full_plan.run_full(s.q, s.k, s.v, s.positions, page_table=s.page_table, check=False)
                 for s in sets]
@@ -422,6 +460,12 @@ def print_table(results):
         bd = r["breakdown_us"]
         print(f"{r['B']:>3} {r['context'] // 1024:>4}K " + " ".join(cells)
               + f" {r['match_bw_TBps']:10.2f}  {bd['match']:.1f}/{bd['plan']:.1f}/{bd['attention']:.1f}/{bd['merge_append']:.1f}")
+    print("\nMAC all-hit with the two-stage match (step µs, x best peer; match stage µs; hit rate vs exact's)")
+    for r in results:
+        for name, t in r.get("two_stage", {}).items():
+            us = t["step"]["median_us"]
+            print(f"{r['B']:>3} {r['context'] // 1024:>4}K {name:>16} {us:9.1f} {r['best_peer_us'] / us:6.1f}x "
+                  f"match {t['match_us']:6.1f}  hit {t['hit_rate']:.3f} / {t['exact_hit_rate']:.3f}")
 
 
 def main(argv=None):
@@ -463,7 +507,7 @@ def main(argv=None):
     print(json.dumps(info), flush=True)
     results = []
     t0 = time.time()
-    with tqdm(total=6 * len(points), desc="bench", file=sys.stdout, mininterval=5) as pbar:
+    with tqdm(total=7 * len(points), desc="bench", file=sys.stdout, mininterval=5) as pbar:
         for B, ctx in points:
             results.append(run_point(B, ctx, args, pbar, fi_ok=not args.no_flashinfer))
             partial = {"versions": info, "config": cfg_dict(args), "results": results}

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_timing import replay_us  # noqa: E402
 
 from macattn.methods.completion.reference import page_bounds, page_upper_bounds, select_pages_reference  # noqa: E402
-from macattn.methods.mac.match_sketch import sketch  # noqa: E402
+from macattn.methods.mac.match_sketch import sketch, sketch_dtype, sketch_projection_of  # noqa: E402
 from macattn.methods.mac.reference import mac_match_reference, mac_match_two_stage_reference  # noqa: E402
 
 HBM_BYTES_PER_S = 3.35e12
@@ -67,15 +67,17 @@ def bench_match(points, reps, device, dry) -> list[dict]:
         rows.append({"kernel": "match", "variant": "exact", "batch": B, "heads": Hq, "window": K, "head_dim": d,
                      "bytes": ring_bytes, "us": us})
         for kind, C in SKETCHES:
-            qs = sketch(q, kind)
-            sr = sketch(qring, kind).to(torch.float8_e4m3fn if "fp8" in kind else torch.bfloat16)
-            want = mac_match_two_stage_reference(*host, band=64, tau=0.45, sketch=kind, candidates=C)[0]
-            got = two(q, qs, qring, sr, lse, pos, slots, m, 64, 0.45, C)[0].cpu()
-            assert torch.equal(got, want), f"two-stage ({kind}) kernel != reference"
-            # the query's sketch is part of the step (the ring's is kept by the append)
+            proj = sketch_projection_of(kind, d, device)
+            sr = sketch(qring, kind).to(sketch_dtype(kind))
+            got, _, qs = two(q, proj, qring, sr, lse, pos, slots, m, 64, 0.45, C)
+            want = mac_match_two_stage_reference(*host, band=64, tau=0.45, sketch=kind, candidates=C,
+                                                 q_sketch=qs.cpu())[0]
+            assert torch.equal(got.cpu(), want), f"two-stage ({kind}) kernel != reference"
+            # the query's sketch is computed in the step (the ring's is kept by the append)
             us = None if dry else statistics.median(replay_us(
-                [lambda: two(q, sketch(q, kind), qring, sr, lse, pos, slots, m, 64, 0.45, C)], reps))
-            splits = two_stage_meta(B, Hq, K, d, C, num_sms(torch.device(device))).NS
+                [lambda: two(q, proj, qring, sr, lse, pos, slots, m, 64, 0.45, C)], reps))
+            splits = two_stage_meta(B, Hq, K, d, C, num_sms(torch.device(device)), sketch_dims=sr.shape[3],
+                                    sketch_itemsize=sr.element_size()).NS
             rows.append({"kernel": "match", "variant": f"two_stage {kind} C={C}", "batch": B, "heads": Hq,
                          "window": K, "head_dim": d, "us": us,   # the sketch ring + every split's C exact entries
                          "bytes": sr.numel() * sr.element_size() + B * Hq * splits * C * d * 2})

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from macattn.methods.mac.config import MacConfig
+from macattn.methods.mac.config import EXPORT_MATCH_MODES, MacConfig
 
 __all__ = ["build_engine_dir", "TRT_MISSING_MESSAGE", "PLUGIN_LIBRARY_ENV", "tensorrt_available"]
 
@@ -84,7 +84,7 @@ def build_engine_dir(family: str, out: str | Path, *, mac: MacConfig, hf_dir: st
 
     if not isinstance(mac, MacConfig):
         raise TypeError(f"mac must be a MacConfig, got {type(mac).__name__}")
-    mac.require_engine_support("macattn build (the ONNX decode graph)")
+    mac.require_engine_support("macattn build (the ONNX decode graph)", match_modes=EXPORT_MATCH_MODES)
     out = Path(out)
     stages = ["load model", "save hf/", "export decode.onnx", "export prefill.onnx", "check ONNX",
               "manifest", "TensorRT engine"]

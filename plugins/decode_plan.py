@@ -26,6 +26,7 @@ from macattn.core.validation import check_int, check_tau
 from ._triton_util import check_cuda_or_interp, default_pdl, interpreting, next_pow2, num_sms, resident_per_sm
 from .mac_attend.kernel import AttendMeta, attend_meta, launch_attend, launch_merge, launch_plan
 from .mac_match.kernel import MatchMeta, check_match_inputs, launch_match, match_meta
+from .mac_match.two_stage import TwoStageMeta, check_two_stage_inputs, launch_two_stage_match, two_stage_meta
 
 __all__ = ["MacDecodePlan", "PLAN_BLOCK_LIMIT", "check_kv"]
 
@@ -89,6 +90,11 @@ class MacDecodePlan:
     residency: attention programs resident per SM (MAC kernel, full-path kernel); by default
     read off the compiled kernels' registers and shared memory at the first run (outside any
     graph capture), so that the work split is one wave.
+    match_candidates: None = the exact match; a power of two = the two-stage match with that many
+    candidates (``MacConfig(match="two_stage")``): ``run`` then takes the sketch ring ``sring`` (and
+    ``proj`` for a projected sketch), computes the query's sketch into ``q_sketch`` and appends it to
+    ``sring`` with the ring entry; match_sketch_dims / match_sketch_itemsize: one sketch entry's
+    elements and their bytes (size the candidate scan's split).
     """
 
     def __init__(self, *, batch_size: int, max_context: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -98,7 +104,8 @@ class MacDecodePlan:
                  block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                  pdl: bool | None = None, maxnreg: int | None = None, b_items: int | None = None,
                  early_b: bool | None = None,
-                 residency: tuple[int, int] | None = None) -> None:
+                 residency: tuple[int, int] | None = None, match_candidates: int | None = None,
+                 match_sketch_dims: int | None = None, match_sketch_itemsize: int = 2) -> None:
         for name, val, lo in (("batch_size", batch_size, 1), ("max_context", max_context, 1),
                               ("num_q_heads", num_q_heads, 1), ("num_kv_heads", num_kv_heads, 1),
                               ("head_dim", head_dim, 16), ("window", window, 1), ("band", band, 0),
@@ -128,6 +135,12 @@ class MacDecodePlan:
         self.match: MatchMeta = match_meta(batch_size, num_q_heads, window, head_dim, sms,
                                            programs_per_sm=match_programs_per_sm,
                                            max_splits=max(1, PLAN_BLOCK_LIMIT // block))
+        self.two_stage: TwoStageMeta | None = None
+        if match_candidates is not None:
+            if tau is None:
+                raise ValueError("match_candidates needs a plan with tau (the two-stage match)")
+            self.two_stage = two_stage_meta(batch_size, num_q_heads, window, head_dim, match_candidates, sms,
+                                            sketch_dims=match_sketch_dims, sketch_itemsize=match_sketch_itemsize)
         if num_stages is None:       # measured: contiguous KV gains from a deeper pipeline, paged does not
             num_stages = 3 if page_size is not None else 4
         self.attend: AttendMeta = attend_meta(batch_size, num_q_heads, num_kv_heads, head_dim, max_context, band, sms,
@@ -145,6 +158,12 @@ class MacDecodePlan:
         self.part_d2 = torch.empty(n_part, dtype=f32, device=dev)
         self.part_pos = torch.empty(n_part, dtype=torch.int64, device=dev)
         self.part_mlse = torch.empty(n_part, dtype=f32, device=dev)
+        if self.two_stage is not None:
+            n_two = B * Hq * self.two_stage.NS * self.two_stage.C
+            self.part_a = torch.empty(n_two, dtype=f32, device=dev)
+            self.part_e = torch.empty(n_two, dtype=f32, device=dev)
+            self.part_k = torch.empty(n_two, dtype=i32, device=dev)
+            self.q_sketch = torch.empty(B, Hq, match_sketch_dims or d, dtype=f32, device=dev)
         self.grp_start = torch.empty(ng + 1, dtype=i32, device=dev)
         self.grp_lo = torch.empty(ng, dtype=i32, device=dev)
         self.grp_na = torch.empty(ng, dtype=i32, device=dev)
@@ -195,6 +214,15 @@ class MacDecodePlan:
         launch_match(q_pre, qring, ring_pos, ring_lse, slots, positions, meta=self.match, part_d2=self.part_d2,
                      part_pos=self.part_pos, part_lse=self.part_mlse, finish=False, pdl=self.pdl)
 
+    def run_two_stage_match(self, q_pre, proj, qring, sring, ring_pos, ring_lse, slots, positions, *,
+                            append: bool = True) -> None:
+        """Stage 1 of a two-stage plan: the query's sketch (``self.q_sketch``), candidates over the sketch
+        ring, exact distances, threshold -> the plan's ``match_pos`` / ``dist``; ``append``: write the
+        query's sketch into ``sring`` at ``m mod K``."""
+        launch_two_stage_match(q_pre, proj, qring, sring, ring_pos, ring_lse, slots, positions, meta=self.two_stage,
+                               q_sketch=self.q_sketch, part_a=self.part_a, part_e=self.part_e, part_k=self.part_k,
+                               match_pos=self.match_pos, dist=self.dist, band=self.band, thr=self.thr, append=append)
+
     def run_plan(self, positions, match_pos=None) -> None:
         """Stage 2 (one program): reduce the match partials into ``match_pos``/``dist`` (or take the given
         ``match_pos``) and plan the part-A work split."""
@@ -236,16 +264,31 @@ class MacDecodePlan:
 
     # -- whole steps ----------------------------------------------------------------------------
     def run(self, q, q_pre, k, v, positions, slots, qring, oring, ring_lse, ring_pos, page_table=None, *,
-            check: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            check: bool = True, sring=None, proj=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One MAC step: returns ``(out [B, Hq, d], match_pos [B, Hq] int64, dist [B, Hq] fp32)`` (plan buffers);
-        the rings are updated in place. Needs a plan made with ``tau``."""
+        the rings are updated in place. Needs a plan made with ``tau``. A two-stage plan also takes
+        ``sring [S, Hq, K, DS]`` (E4M3 / bf16) and, for a projected sketch, ``proj [d, DS]`` fp32; the
+        query's sketch goes into ``sring`` at ``m mod K`` beside the ring entry."""
         self._need_tau()
+        two = self.two_stage is not None
+        if (sring is None) == two:
+            raise ValueError("sring is the two-stage match's input: pass it exactly when the plan was made with "
+                             f"match_candidates (it was made with {self.two_stage})")
         if check:
             self._check_step(q, q_pre, k, v, positions, slots, qring, oring, ring_lse, ring_pos, page_table)
+            if two:
+                check_two_stage_inputs(q_pre, proj, qring, sring, ring_lse, ring_pos, slots, positions)
+                if sring.shape[3] != self.q_sketch.shape[2]:
+                    raise ValueError(f"sring has {sring.shape[3]} sketch dims, the plan was made for "
+                                     f"{self.q_sketch.shape[2]}")
         if not self._calibrated:
             self.calibrate(q, k, v, positions, page_table)
-        self.run_match(q_pre, qring, ring_pos, ring_lse, slots, positions)
-        self.run_plan(positions)
+        if two:
+            self.run_two_stage_match(q_pre, proj, qring, sring, ring_pos, ring_lse, slots, positions)
+            self.run_plan(positions, self.match_pos)
+        else:
+            self.run_match(q_pre, qring, ring_pos, ring_lse, slots, positions)
+            self.run_plan(positions)
         self.run_attention(q, k, v, positions, page_table)
         self.run_merge(q_pre, positions, slots, qring, oring, ring_lse, ring_pos)
         return self.out, self.match_pos, self.dist

@@ -28,12 +28,20 @@ from dataclasses import dataclass, field
 import torch
 
 from macattn.methods.mac.backend import MacAttention
+from macattn.methods.mac.match_sketch import sketch_dims, sketch_dtype, sketch_projection_of
 from macattn.runtime.kv_cache import PagedWriteView
 from macattn.runtime.sampling import SamplingBatch, sample_tokens
 
 __all__ = ["DecodeBucket", "CudaDecoder"]
 
 FULL_PLAN = "full"   # the plan key of the full-attention method (an attend-only plan)
+
+
+def plan_key(params) -> tuple:
+    """The ``LayerMacParams`` fields a ``MacDecodePlan`` is made for (layers sharing them share a plan)."""
+    two = params.match == "two_stage"
+    return (params.window, params.band, params.tau, params.match,
+            params.match_sketch if two else None, params.match_candidates if two else None)
 
 
 @dataclass
@@ -65,12 +73,14 @@ class DecodeBucket:
         """Full attention over ``[0, m]`` of every request (the full-attention method)."""
         return self.plans[FULL_PLAN].run_full(q, k_pages, v_pages, positions, page_table=self.page_table, check=False)
 
-    def attend(self, layer, params, q, q_pre, k_pages, v_pages, positions, slots, rings):
-        """The layer's MAC attention for this bucket (called by ``MacAttention.decode``)."""
-        plan = self.plans[(params.window, params.band, params.tau)]
+    def attend(self, layer, params, q, q_pre, k_pages, v_pages, positions, slots, rings, sring=None):
+        """The layer's MAC attention for this bucket (called by ``MacAttention.decode``); ``sring``: the
+        layer's sketch ring (two-stage match), kept by the plan's append."""
+        plan = self.plans[plan_key(params)]
         if params.enabled:
+            proj = None if sring is None else sketch_projection_of(params.match_sketch, q.shape[-1], q.device)
             out, match_pos, _ = plan.run(q, q_pre, k_pages, v_pages, positions, slots, *rings,
-                                         page_table=self.page_table, check=False)
+                                         page_table=self.page_table, check=False, sring=sring, proj=proj)
             buf = self.match_pos.get(layer)
             if buf is None:
                 buf = self.match_pos[layer] = torch.empty_like(match_pos)
@@ -122,19 +132,22 @@ class CudaDecoder:
         self._write_inputs(b, [])
         if not self.paged_kv:
             return b
-        def plan(window: int, band: int, tau: float | None):
+        def plan(window: int, band: int, tau: float | None, match: str = "exact", sketch_kind=None,
+                 candidates=None):
             return self._plan_cls(
                 batch_size=nb, max_context=ex.config.max_seq_len, num_q_heads=hf.num_attention_heads,
                 num_kv_heads=hf.num_key_value_heads, head_dim=ex.head_dim, window=window, band=band,
-                tau=tau, page_size=ex.config.block_size, q_dtype=ex.dtype, device=dev)
+                tau=tau, page_size=ex.config.block_size, q_dtype=ex.dtype, device=dev,
+                **({} if match != "two_stage" else dict(
+                    match_candidates=candidates, match_sketch_dims=sketch_dims(sketch_kind, ex.head_dim),
+                    match_sketch_itemsize=sketch_dtype(sketch_kind).itemsize)))
 
         method = ex.method
         if isinstance(method, MacAttention):
             for layer in range(ex.num_layers):
-                p = method.config.for_layer(layer)
-                key = (p.window, p.band, p.tau)
+                key = plan_key(method.config.for_layer(layer))
                 if key not in b.plans:
-                    b.plans[key] = plan(p.window, p.band, p.tau)
+                    b.plans[key] = plan(*key)
         else:
             b.plans[FULL_PLAN] = plan(1, 0, None)
         return b

@@ -60,6 +60,11 @@ class SlotStates:
     def num_free(self) -> int:
         return self.num_slots - len(self._in_use)
 
+    @property
+    def in_use(self) -> tuple[int, ...]:
+        """The slots handed out (sorted)."""
+        return tuple(sorted(self._in_use))
+
     def acquire(self) -> int:
         """A free slot with every registered state reset; raises ``RuntimeError`` if none is free."""
         if not self._free:

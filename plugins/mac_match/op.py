@@ -58,10 +58,12 @@ class MacMatchLauncher:
 
 class TwoStageMatchLauncher:
     """The two-stage match (``two_stage.py``) with the exact match's contract plus the sketches:
-    ``(q_pre, q_sketch, qring, sring, ring_lse, ring_pos, slots, positions, band, tau, candidates)``
-    -> ``(match_pos [B, Hq] int64, dist [B, Hq] fp32)``; owns the partials, one set per (device, size).
-    Same function as ``macattn.methods.mac.reference.mac_match_two_stage_reference`` when ``q_sketch``
-    and ``sring`` are the sketches (``macattn.methods.mac.match_sketch``) of ``q_pre`` and ``qring``."""
+    ``(q_pre, proj, qring, sring, ring_lse, ring_pos, slots, positions, band, tau, candidates)``
+    -> ``(match_pos [B, Hq] int64, dist [B, Hq] fp32, q_sketch [B, Hq, DS] fp32)``; owns the partials,
+    one set per (device, size). The same function as
+    ``macattn.methods.mac.reference.mac_match_two_stage_reference`` given the returned ``q_sketch``,
+    when ``sring`` holds the sketches (``macattn.methods.mac.match_sketch``) of ``qring`` and ``proj``
+    is ``sketch_projection`` of a projected sketch (None: E4M3 of the entry)."""
 
     def __init__(self) -> None:
         self._scratch: dict[tuple, tuple[torch.Tensor, ...]] = {}
@@ -73,19 +75,21 @@ class TwoStageMatchLauncher:
                                        torch.empty(n, dtype=torch.int32, device=dev))
         return self._scratch[(dev, n)]
 
-    def __call__(self, q_pre: torch.Tensor, q_sketch: torch.Tensor, qring: torch.Tensor, sring: torch.Tensor,
+    def __call__(self, q_pre: torch.Tensor, proj: torch.Tensor | None, qring: torch.Tensor, sring: torch.Tensor,
                  ring_lse: torch.Tensor, ring_pos: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                 band: int, tau: float, candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
-        check_two_stage_inputs(q_pre, q_sketch, qring, sring, ring_lse, ring_pos, slots, positions)
+                 band: int, tau: float, candidates: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        check_two_stage_inputs(q_pre, proj, qring, sring, ring_lse, ring_pos, slots, positions)
         B, Hq, d = q_pre.shape
         dev = q_pre.device
         match_pos = torch.empty(B, Hq, dtype=torch.int64, device=dev)
         dist = torch.empty(B, Hq, dtype=torch.float32, device=dev)
+        q_sketch = torch.empty(B, Hq, sring.shape[3], dtype=torch.float32, device=dev)
         if B == 0:
-            return match_pos, dist
-        meta = two_stage_meta(B, Hq, qring.shape[2], d, candidates, num_sms(dev))
+            return match_pos, dist, q_sketch
+        meta = two_stage_meta(B, Hq, qring.shape[2], d, candidates, num_sms(dev), sketch_dims=sring.shape[3],
+                              sketch_itemsize=sring.element_size())
         part_a, part_e, part_k = self._buffers(dev, B * Hq * meta.NS * meta.C)
-        launch_two_stage_match(q_pre, q_sketch, qring, sring, ring_pos, ring_lse, slots, positions, meta=meta,
-                               part_a=part_a, part_e=part_e, part_k=part_k, match_pos=match_pos, dist=dist,
-                               band=band, thr=match_threshold(d, tau))
-        return match_pos, dist
+        launch_two_stage_match(q_pre, proj, qring, sring, ring_pos, ring_lse, slots, positions, meta=meta,
+                               q_sketch=q_sketch, part_a=part_a, part_e=part_e, part_k=part_k, match_pos=match_pos,
+                               dist=dist, band=band, thr=match_threshold(d, tau))
+        return match_pos, dist, q_sketch

@@ -18,7 +18,7 @@ import torch
 from triton_env import DEVICE, GPU_MARKS  # noqa: E402  (first: sets the interpreter switch)
 from macattn.core.threshold import match_threshold  # noqa: E402
 from macattn.methods.mac.config import MATCH_SKETCHES  # noqa: E402
-from macattn.methods.mac.match_sketch import sketch  # noqa: E402
+from macattn.methods.mac.match_sketch import sketch, sketch_dtype, sketch_projection_of  # noqa: E402
 from macattn.methods.mac.reference import mac_match_two_stage_reference  # noqa: E402
 
 pytestmark = GPU_MARKS
@@ -46,9 +46,18 @@ def _problem(B, Hq, K, d, m, seed, sketch_kind):
     ent = qring[slots[:, None], torch.arange(Hq)[None, :], pick].float()
     q = torch.where(near[..., None], ent + 0.1 * torch.randn(B, Hq, d, generator=g), q).to(torch.bfloat16)
     positions = torch.full((B,), m, dtype=torch.int64)
-    sring = sketch(qring, sketch_kind)
-    sring = sring.to(torch.float8_e4m3fn if "fp8" in sketch_kind else torch.bfloat16)
+    sring = sketch(qring, sketch_kind).to(sketch_dtype(sketch_kind))
     return q, sketch(q, sketch_kind), qring, sring, ring_lse, ring_pos, slots, positions
+
+
+def _one_rounding_step(got, want, kind):
+    """The kernel's query sketch vs torch's: equal up to one rounding step of the sketch dtype (its
+    projection sums in another fp32 order), equal for most elements, and equal everywhere for the
+    E4M3 sketch of the entry (no sum: the kernel rounds as torch does)."""
+    if kind == "fp8":
+        return torch.equal(got, want)
+    rel, tiny = (2.0 ** -2, 2.0 ** -9) if "fp8" in kind else (2.0 ** -7, 2.0 ** -133)   # E4M3 / bf16 spacing
+    return bool(((got - want).abs() <= rel * want.abs() + tiny).all()) and (got == want).float().mean() > 0.8
 
 
 def _unstable(q, qs, qring, sring, ring_pos, slots, positions, C, thr):
@@ -84,10 +93,14 @@ def test_two_stage_kernels_equal_the_reference(sketch_kind, C, B, Hq, K, d, m):
     for bufs in launcher._scratch.values():
         for t in bufs:
             t.fill_(-7)
-    mp, dist = launcher(q, qs, qring, sring, lse, pos, slots, positions, band, tau, C)
+    proj = sketch_projection_of(sketch_kind, d, DEVICE)
+    mp, dist, got_qs = launcher(q, proj, qring, sring, lse, pos, slots, positions, band, tau, C)
+    got_qs = got_qs.cpu()
+    assert _one_rounding_step(got_qs, host[1], sketch_kind)
+    host = (host[0], got_qs) + host[2:]                   # decisions: from the kernel's own query sketch
     want_mp, want_dist = mac_match_two_stage_reference(q.cpu(), qring.cpu(), lse.cpu(), pos.cpu(), slots.cpu(),
                                                        positions.cpu(), band=band, tau=tau, sketch=sketch_kind,
-                                                       candidates=C)
+                                                       candidates=C, q_sketch=got_qs)
     mp, dist = mp.cpu(), dist.cpu()
     assert mp.dtype == torch.int64 and dist.dtype == torch.float32 and not torch.isnan(dist).any()
     thr = match_threshold(d, tau)
@@ -112,8 +125,10 @@ def test_the_launcher_refuses_bad_inputs():
     q, qs, qring, sring, lse, pos, slots, positions = (t.to(DEVICE) for t in _problem(1, 2, 32, 64, 40, 0, "fp8"))
     run = TwoStageMatchLauncher()
     with pytest.raises(ValueError, match="sring must be E4M3 or bf16"):
-        run(q, qs, qring, sring.float(), lse, pos, slots, positions, 2, 0.45, 4)
-    with pytest.raises(ValueError, match="q_sketch must be fp32"):
-        run(q, qs[:, :1], qring, sring, lse, pos, slots, positions, 2, 0.45, 4)
+        run(q, None, qring, sring.float(), lse, pos, slots, positions, 2, 0.45, 4)
+    with pytest.raises(ValueError, match="without a projection the sketch is the entry in E4M3"):
+        run(q, None, qring, sring.to(torch.bfloat16), lse, pos, slots, positions, 2, 0.45, 4)
+    with pytest.raises(ValueError, match="proj must be a contiguous fp32"):
+        run(q, torch.zeros(64, 32, device=DEVICE), qring, sring, lse, pos, slots, positions, 2, 0.45, 4)
     with pytest.raises(ValueError, match="power-of-two candidates"):
-        run(q, qs, qring, sring, lse, pos, slots, positions, 2, 0.45, 3)
+        run(q, None, qring, sring, lse, pos, slots, positions, 2, 0.45, 3)

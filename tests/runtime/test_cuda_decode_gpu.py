@@ -197,3 +197,52 @@ def test_fastmka_whole_step_graph(mac):
         solo = _run(lambda: _mka_model("cuda"), mac, "cuda", True, [prompts[i]], {0: script[i]}, 9)
         for step, (a, b) in enumerate(zip(graph.logits[i], solo.logits[0])):
             assert _rel(a, b) < 2e-2, f"request {i} step {step}: rel err {_rel(a, b):.2e} vs solo"
+
+
+def test_two_stage_match_in_the_captured_step():
+    """MacConfig(match="two_stage") on the GPU path: the plan's Triton two-stage kernels over the
+    sketch ring, appended to in the graph. With every entry a candidate (C = K = 16) it decides as
+    the exact match; with E4M3 sketches and 4 candidates replay == eager bit for bit; the sketch ring
+    equals the sketch of the query ring for every live slot while requests run."""
+    from dataclasses import replace
+
+    from macattn.methods.mac.match_sketch import sketch
+
+    def model():
+        return build_builtin_model("llama", seed=3).to("cuda")
+
+    mac16 = MacConfig(window=16, band=8, tau=0.3)
+    prompts, script = _prompts(5, seed=12), _script(5, 10, seed=12)
+    exact = _run(model, mac16, "cuda", True, prompts, script, 10)
+    every = _run(model, replace(mac16, match="two_stage", match_candidates=16), "cuda", True, prompts, script, 10)
+    assert exact.mac_state.diagnostics.hits.sum() > 0
+    assert torch.equal(every.mac_state.diagnostics.hits, exact.mac_state.diagnostics.hits)
+    for i in range(5):
+        for a, b in zip(exact.logits[i], every.logits[i]):
+            assert _rel(b, a) < 1e-5
+
+    two = replace(MAC, match="two_stage", match_sketch="fp8", match_candidates=4)
+    eager = _run(model, two, "cuda", False, prompts, script, 10)
+    graph = _run(model, two, "cuda", True, prompts, script, 10)
+    assert graph.mac_state.diagnostics.hits.sum() > 0
+    for i in range(5):
+        for a, b in zip(eager.logits[i], graph.logits[i]):
+            assert torch.equal(a, b)
+
+    eng = ForcedEngine(model(), replace(two, match_sketch="proj16"),
+                       RuntimeConfig(max_batch_size=4, max_seq_len=512, device="cuda", use_cuda_graphs=True),
+                       script=script)
+    for i, p in enumerate(prompts):
+        eng.add(i, p, 10)
+    st = eng.mac_state
+    checked = 0
+    for _ in range(6):
+        eng.step()
+        live = [s for s in eng.slot_states.in_use if s != eng.executor.scratch_slot]
+        checked += bool(live)
+        for layer, sr in enumerate(st.sring if live else []):
+            got, want = sr[live].float(), sketch(st.qring[layer][live], "proj16")
+            # the kernels' projection sums in another fp32 order: one bf16 rounding step at most
+            assert ((got - want).abs() <= 2.0 ** -7 * want.abs()).all(), f"layer {layer}"
+            assert (got == want).float().mean() > 0.99
+    assert checked >= 3

@@ -126,9 +126,8 @@ def test_decode_step_with_two_stage_match():
         mac_decode_step_reference(q, q, k, v, positions, slots, *rings, band=2, tau=0.45, match="approx")
 
 
-def test_config_validates_and_the_engine_refuses_two_stage():
-    from macattn.models.builtin import build_builtin_model
-    from macattn.runtime import ModelRunner
+def test_config_validates_and_the_onnx_build_refuses_two_stage(tmp_path):
+    from macattn.builder.build import build_engine_dir
 
     with pytest.raises(ValueError, match="match_candidates must be one of"):
         MacConfig(match="two_stage", match_candidates=0)
@@ -137,8 +136,8 @@ def test_config_validates_and_the_engine_refuses_two_stage():
     cfg = MacConfig(window=8, band=2).with_overrides({1: {"match": "two_stage", "match_sketch": "proj16"}})
     assert MacConfig.from_dict(cfg.to_dict()) == cfg
     assert "match" not in MacConfig().to_dict()          # defaults stay out of saved files
-    with pytest.raises(ValueError, match=r"match='two_stage'.*ModelRunner.*layers \[1\]"):
-        ModelRunner.from_hf(build_builtin_model("llama"), cfg)
+    with pytest.raises(ValueError, match=r"match='two_stage'.*macattn build.*layers \[1\]"):
+        build_engine_dir("llama", tmp_path, mac=cfg)
 
 
 def test_eval_harness_runs_two_stage():

@@ -3,6 +3,8 @@ rings; decode matches the pre-RoPE query against the ring, reuses the matched st
 summary and recomputes band + tail (``torch.ops.macattn.mac_match`` / ``mac_attend``: the
 Triton kernels on CUDA once ``macattn.methods.kernels.register_kernels()`` ran, the reference
 elsewhere), or — under the runtime on CUDA — the bucket's ``MacDecodePlan`` over the paged pool.
+``MacConfig(match="two_stage")``: the two-stage match (the reference function off the runtime's GPU
+path, the plan's Triton kernels on it) over the state's sketch ring, which every append keeps.
 """
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ from typing import ClassVar
 import torch
 
 from macattn.core.attention import check_no_padding, full_attention_reference
+from macattn.core.indexing import index_store_
 from macattn.methods.base import AttentionMethod, Capabilities, ModelDims, StepContext
 from macattn.methods.mac import ops  # noqa: F401  (defines torch.ops.macattn.mac_match / mac_attend)
 from macattn.methods.mac.config import ENGINE_MISS_POLICIES, MacConfig
-from macattn.methods.mac.reference import rectified_summaries_reference
+from macattn.methods.mac.match_sketch import sketch
+from macattn.methods.mac.reference import mac_match_two_stage_reference, rectified_summaries_reference
 from macattn.methods.mac.seeding import seed_rings_
 from macattn.methods.mac.state import MacState
 
@@ -88,6 +92,8 @@ class MacAttention(AttentionMethod):
         if S == T:   # a fresh prompt: reset and seed whole ring rows with tensor ops (traceable)
             seed_rings_(self._rings(step, layer), slots.to(query.device), query, q_pre, key, value,
                         band=params.band, scale=scale)
+            if step.rings is None:
+                self.state.sketch_rows_(layer, slots.to(query.device))
             return out
         if step.rings is not None:
             raise NotImplementedError("graph export supports prefill of a fresh prompt only")
@@ -116,15 +122,26 @@ class MacAttention(AttentionMethod):
         params = self.config.for_layer(layer)
         q, qp = query[:, :, 0], q_pre[:, :, 0]
         rings = self._rings(step, layer)
+        sring = self.state.sring[layer] if step.rings is None else None
         if step.paged is not None:
-            return step.paged.attend(layer, params, q, qp, key, value, positions, slots, rings).unsqueeze(1)
-        if params.enabled:
+            return step.paged.attend(layer, params, q, qp, key, value, positions, slots, rings, sring).unsqueeze(1)
+        two_stage = params.enabled and params.match == "two_stage"
+        if two_stage:
+            if step.rings is not None:
+                raise NotImplementedError("graph export runs the exact match (MacConfig(match='exact'))")
+            match_pos, _ = mac_match_two_stage_reference(qp, rings[0], rings[2], rings[3], slots, positions,
+                                                         band=params.band, tau=params.tau, sketch=params.match_sketch,
+                                                         candidates=params.match_candidates)
+        elif params.enabled:
             match_pos, _ = torch.ops.macattn.mac_match(qp, rings[0], rings[2], rings[3], slots, positions,
                                                         params.band, params.tau)
         else:
             match_pos = torch.full((B, Hq), -1, dtype=torch.int64, device=query.device)
         out = torch.ops.macattn.mac_attend(q, qp, key, value, positions, match_pos, slots, *rings,
                                            params.band, float(scale))
+        if sring is not None:    # the append's sketch (mac_attend appended qp to the ring)
+            index_store_(sring, (slots, slice(None), positions % sring.shape[2]),
+                         sketch(qp.to(rings[0].dtype), params.match_sketch))
         self.last_match_pos[layer] = match_pos
         if self.collect_diagnostics and step.rings is None:
             self.state.diagnostics.record(layer, match_pos, positions, params.band)

@@ -15,14 +15,16 @@ from macattn.core.threshold import match_threshold
 from macattn.core.validation import check_bool, check_choice, check_int, check_tau
 
 __all__ = ["LayerMacParams", "MacConfig", "CONTEXT_HEAVY_TAU", "GENERATION_HEAVY_TAU", "MISS_POLICIES",
-           "ENGINE_MISS_POLICIES", "MATCH_MODES", "ENGINE_MATCH_MODES", "MATCH_SKETCHES", "MATCH_CANDIDATES"]
+           "ENGINE_MISS_POLICIES", "MATCH_MODES", "ENGINE_MATCH_MODES", "EXPORT_MATCH_MODES", "MATCH_SKETCHES",
+           "MATCH_CANDIDATES"]
 
 CONTEXT_HEAVY_TAU = 0.45
 GENERATION_HEAVY_TAU = 0.75
 MISS_POLICIES = ("full", "completion")
 ENGINE_MISS_POLICIES = ("full",)   # what the engine and the graph export run (the CPU reference: all)
 MATCH_MODES = ("exact", "two_stage")
-ENGINE_MATCH_MODES = ("exact",)    # the GPU kernels' match (the CPU reference and macattn eval: all)
+ENGINE_MATCH_MODES = ("exact", "two_stage")   # the runtime (GPU kernels, CPU reference)
+EXPORT_MATCH_MODES = ("exact",)    # the ONNX decode graph's MacMatch node
 MATCH_SKETCHES = ("fp8", "proj32", "proj16", "proj32_fp8")   # ``macattn.methods.mac.match_sketch``
 MATCH_CANDIDATES = (1, 2, 4, 8, 16)   # powers of two: the kernels' candidate lists are register arrays
 
@@ -44,7 +46,8 @@ class LayerMacParams:
     ``match_candidates`` nearest entries under the compressed ring ``match_sketch`` (one of
     ``MATCH_SKETCHES``: E4M3 of the entry, a fixed random projection to 32 / 16 dims, or both), then
     the exact distance of those candidates and the exact threshold — an accepted match always passes
-    the exact test. The CPU reference and ``macattn eval`` honour it; the engine runs ``"exact"``.
+    the exact test. The runtime (the Triton kernels over a sketch ring kept by the append), the CPU
+    reference and ``macattn eval`` honour it; the ONNX decode graph (``macattn build``) runs ``"exact"``.
     """
 
     window: int = 1024
@@ -136,14 +139,14 @@ class MacConfig(LayerMacParams):
                 fields.update(dict(override))
         return LayerMacParams(**fields)
 
-    def require_engine_support(self, where: str) -> None:
+    def require_engine_support(self, where: str, *, match_modes: tuple[str, ...] = ENGINE_MATCH_MODES) -> None:
         """Raise ``ValueError`` if any layer asks for a miss policy outside ``ENGINE_MISS_POLICIES`` or a
-        match outside ``ENGINE_MATCH_MODES``: ``where`` (the engine, the ONNX export) runs the GPU
-        kernels' full-attention misses and exact match only."""
+        match outside ``match_modes``: ``where`` (the engine: ``ENGINE_MATCH_MODES``; the ONNX export:
+        ``EXPORT_MATCH_MODES``) runs the GPU kernels' full-attention misses only."""
         overridden = [i for i, _ in self.layer_overrides]
         for name, allowed, honoured in (("miss_policy", ENGINE_MISS_POLICIES, "the CPU reference, macattn eval and "
                                                                                "macattn tune"),
-                                        ("match", ENGINE_MATCH_MODES, "the CPU reference and macattn eval")):
+                                        ("match", match_modes, "the runtime, the CPU reference and macattn eval")):
             bad = [i for i in overridden if getattr(self.for_layer(i), name) not in allowed]
             value = getattr(self, name)
             if value in allowed and not bad:

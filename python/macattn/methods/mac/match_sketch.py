@@ -21,7 +21,7 @@ import torch
 from macattn.core.validation import check_choice
 from macattn.methods.mac.config import MATCH_SKETCHES
 
-__all__ = ["sketch_projection", "sketch", "sketch_dims", "FP8_MAX"]
+__all__ = ["sketch_projection", "sketch_projection_of", "sketch", "sketch_dims", "sketch_dtype", "FP8_MAX"]
 
 FP8_MAX = 448.0       # largest finite float8_e4m3fn
 _PROJ = {"fp8": None, "proj32": 32, "proj16": 16, "proj32_fp8": 32}
@@ -35,10 +35,22 @@ def sketch_dims(kind: str, head_dim: int) -> int:
     return _PROJ[kind] or head_dim
 
 
+def sketch_dtype(kind: str) -> torch.dtype:
+    """The dtype a sketch ring stores ``kind`` sketches in, exactly (E4M3 or bf16)."""
+    check_choice("match_sketch", kind, MATCH_SKETCHES)
+    return torch.float8_e4m3fn if _FP8[kind] else torch.bfloat16
+
+
 def sketch_projection(head_dim: int, dims: int, device=None) -> torch.Tensor:
     """The fixed ``[head_dim, dims]`` fp32 projection (Gaussian, scaled by ``1 / sqrt(dims)``); one
     shared read-only tensor per device, so a captured step never copies it from the host."""
     return _projection(head_dim, dims, str(torch.device(device or "cpu")))
+
+
+def sketch_projection_of(kind: str, head_dim: int, device=None) -> torch.Tensor | None:
+    """``kind``'s projection ``[head_dim, D]`` (``sketch_projection``), None for ``"fp8"`` (no projection)."""
+    check_choice("match_sketch", kind, MATCH_SKETCHES)
+    return None if _PROJ[kind] is None else sketch_projection(head_dim, _PROJ[kind], device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,7 +64,7 @@ def sketch(x: torch.Tensor, kind: str) -> torch.Tensor:
     check_choice("match_sketch", kind, MATCH_SKETCHES)
     y = x.float()
     if _PROJ[kind] is not None:
-        y = y @ sketch_projection(x.shape[-1], _PROJ[kind], x.device)
+        y = y @ sketch_projection_of(kind, x.shape[-1], x.device)
     if _FP8[kind]:
         return y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
     return y.to(torch.bfloat16).float() if _PROJ[kind] is not None else y

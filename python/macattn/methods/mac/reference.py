@@ -95,12 +95,14 @@ def mac_match_reference(q_pre: torch.Tensor, qring: torch.Tensor, ring_lse: torc
 
 def mac_match_two_stage_reference(q_pre: torch.Tensor, qring: torch.Tensor, ring_lse: torch.Tensor,
                                   ring_pos: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, *,
-                                  band: int, tau: float, sketch: str = "fp8", candidates: int = 4
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                                  band: int, tau: float, sketch: str = "fp8", candidates: int = 4,
+                                  q_sketch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Two-stage match (``MacConfig(match="two_stage")``), same inputs and outputs as ``mac_match_reference``.
 
     Candidate stage: the ``candidates`` valid window entries nearest to ``sketch(q_pre)`` among the
-    ring's sketches (``macattn.methods.mac.match_sketch``; ties: lower ring index). Exact stage: their
+    ring's sketches (``macattn.methods.mac.match_sketch``; ties: lower ring index); ``q_sketch``
+    ``[B, Hq, DS]`` replaces ``sketch(q_pre)`` when given (the kernels compute their own, whose
+    projection sums in another order). Exact stage: their
     distances from the stored ring (fp32 accumulation), the nearest of them (ties: lower ring index),
     then ``mac_match_reference``'s threshold and validity test. ``dist`` is that candidate's exact
     distance (``inf`` with no valid entry), so an accepted match always passes the exact test.
@@ -111,7 +113,8 @@ def mac_match_two_stage_reference(q_pre: torch.Tensor, qring: torch.Tensor, ring
     rpos = ring_pos[slots]                                            # [B, K]
     m = positions.unsqueeze(1)
     cand = ((rpos >= 0) & (rpos < m) & (rpos >= m - K)).unsqueeze(1)  # [B, 1, K]
-    approx = (sketch_fn(q, sketch).unsqueeze(2) - sketch_fn(ring, sketch)).square().sum(-1)
+    qs = sketch_fn(q, sketch) if q_sketch is None else q_sketch.float()
+    approx = (qs.unsqueeze(2) - sketch_fn(ring, sketch)).square().sum(-1)
     approx = approx.masked_fill(~cand, float("inf"))                  # [B, Hq, K]
     c = min(candidates, K)
     # stable sort: equal sketch distances keep ring order, so ties go to the lower index

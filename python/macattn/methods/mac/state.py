@@ -10,8 +10,14 @@ qring[l]      ``[S, Hq, K_l, d]``    ``query_dtype`` (bf16 on the GPU)
 oring[l]      ``[S, Hq, K_l, d]``    ``summary_dtype`` (fp32 by default)
 ring_lse[l]   ``[S, Hq, K_l]``       fp32, ``-inf`` = empty summary
 ring_pos[l]   ``[S, K_l]``           int64, ``-1`` = empty slot
+sring[l]      ``[S, Hq, K_l, DS]``   ``sketch_dtype(kind)``; None unless the layer's match is
+                                     ``"two_stage"``: ``sketch(qring[l])`` (``match_sketch``)
 in_use        ``[S]``                bool
 ============  =====================  ==========================================
+
+The sketch ring is the two-stage match's compressed copy of ``qring``: every writer of ``qring``
+(reset, ``seed``, ``sketch_rows_`` after the traceable seeding, the decode step's append) keeps
+``sring[l][s] == sketch(qring[l][s])``.
 
 A request owns one slot from ``acquire()`` to ``release()``; both reset the slot's rows
 (positions ``-1``, ``lse = -inf``, queries and outputs zeroed) so no entry of one request
@@ -24,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from macattn.methods.mac.config import MacConfig
+from macattn.methods.mac.match_sketch import sketch, sketch_dims, sketch_dtype
+from macattn.core.indexing import index_store_
 from macattn.core.summaries import AttentionSummary
 
 from macattn.core.slot_pool import SlotPool
@@ -89,6 +97,7 @@ class MacState(SlotPool):
     ring_pos: list[torch.Tensor]
     in_use: torch.Tensor
     diagnostics: MacDiagnostics
+    sring: list[torch.Tensor | None] = field(default_factory=list, repr=False)
     _free: list[int] = field(default_factory=list, repr=False)
 
     @classmethod
@@ -99,17 +108,19 @@ class MacState(SlotPool):
                           ("num_q_heads", num_q_heads), ("head_dim", head_dim)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {val!r}")
-        qring, oring, lse, pos = [], [], [], []
+        qring, oring, lse, pos, sring = [], [], [], [], []
         for layer in range(num_layers):
-            K = config.for_layer(layer).window
+            p = config.for_layer(layer)
+            K = p.window
             qring.append(torch.zeros(num_slots, num_q_heads, K, head_dim, dtype=query_dtype, device=device))
             oring.append(torch.zeros(num_slots, num_q_heads, K, head_dim, dtype=summary_dtype, device=device))
             lse.append(torch.full((num_slots, num_q_heads, K), float("-inf"), dtype=torch.float32, device=device))
             pos.append(torch.full((num_slots, K), -1, dtype=torch.int64, device=device))
-        return cls(config, qring, oring, lse, pos,
-                   torch.zeros(num_slots, dtype=torch.bool),
-                   MacDiagnostics.zeros(num_layers, num_q_heads),
-                   list(range(num_slots - 1, -1, -1)))
+            sring.append(None if p.match != "two_stage" else torch.zeros(
+                num_slots, num_q_heads, K, sketch_dims(p.match_sketch, head_dim),
+                dtype=sketch_dtype(p.match_sketch), device=device))
+        return cls(config, qring, oring, lse, pos, torch.zeros(num_slots, dtype=torch.bool),
+                   MacDiagnostics.zeros(num_layers, num_q_heads), sring, list(range(num_slots - 1, -1, -1)))
 
     @property
     def num_layers(self) -> int:
@@ -122,11 +133,21 @@ class MacState(SlotPool):
     def reset(self, slot: int) -> None:
         """Empty every ring row of ``slot`` in every layer."""
         self._check_slot(slot)
-        for q, o, l, p in zip(self.qring, self.oring, self.ring_lse, self.ring_pos):
+        for q, o, l, p, sr in zip(self.qring, self.oring, self.ring_lse, self.ring_pos, self.sring):
             q[slot].zero_()
             o[slot].zero_()
             l[slot].fill_(float("-inf"))
             p[slot].fill_(-1)
+            if sr is not None:
+                sr[slot].zero_()
+
+    def sketch_rows_(self, layer: int, slots: torch.Tensor) -> None:
+        """Recompute ``sring[layer]`` rows ``slots [n]`` from ``qring`` (after the traceable seeding);
+        a no-op for a layer without a sketch ring."""
+        sr = self.sring[layer]
+        if sr is not None:
+            kind = self.config.for_layer(layer).match_sketch
+            index_store_(sr, slots, sketch(self.qring[layer].index_select(0, slots), kind))
 
     def seed(self, layer: int, slot: int, positions: torch.Tensor, q_pre: torch.Tensor,
              summary: AttentionSummary) -> None:
@@ -142,6 +163,9 @@ class MacState(SlotPool):
         positions = positions[keep].to(pos.device)
         col = positions % K
         qring[slot][:, col] = q_pre[:, keep].to(qring.dtype)
+        sr = self.sring[layer]
+        if sr is not None:
+            index_store_(sr, (slot, slice(None), col), sketch(qring[slot][:, col], self.config.for_layer(layer).match_sketch))
         oring[slot][:, col] = summary.o[:, keep].to(oring.dtype)
         lse[slot][:, col] = summary.lse[:, keep].to(lse.dtype)
         pos[slot][col] = positions
