@@ -3,8 +3,14 @@
 One engine per model instance, driven by one loop thread: ``execute`` parses requests and
 hands them to the loop; the loop validates them (a bad request gets an error response
 naming the parameter and touches nothing else), admits them between steps, and streams
-tokens back. Decoupled: one response per generated token, the last flagged final. Not
-decoupled: ``execute`` waits and returns all generated tokens at once.
+tokens back. Decoupled: one response per generated token, the last flagged final — or, with
+the optional input ``stream`` false (what the ensemble sends unless asked to stream), one final
+response with every token. Not decoupled: ``execute`` waits and returns all generated tokens at
+once. ``stop_words`` (TensorRT-LLM's ``[2, N]`` word list) ends a request once its output ends
+with one of them (the word is kept); ``bad_words`` other than none are refused.
+
+With the ``role`` parameter ``preprocessing`` / ``postprocessing`` the same file serves the
+ensemble's text stages (``macattn.runtime.triton_text``).
 
 The Python backend stub ignores ``PYTHONPATH``: the ``sys_path`` parameter (written by
 ``macattn triton-repo``) lists the site-packages to add. It is read from this model's
@@ -60,13 +66,21 @@ _OPTIONAL = {"end_id": int, "temperature": float, "top_k": int, "top_p": float, 
 
 
 class _Pending:
-    """One request in flight: where its tokens go."""
+    """One request in flight: where its tokens go; ``stream`` False sends them in one final
+    response; ``stop`` the token-id words that end it."""
 
     def __init__(self, sender=None):
         self.sender = sender          # decoupled: the response sender
+        self.stream = True
+        self.stop = []
         self.tokens = []
         self.error = None
         self.done = threading.Event()
+
+    def stopped_by(self, token) -> bool:
+        """Whether the output so far plus ``token`` ends with a stop word."""
+        out = self.tokens + [token]
+        return any(len(out) >= len(w) and out[-len(w):] == w for w in self.stop)
 
 
 class TritonPythonModel:
@@ -74,6 +88,12 @@ class TritonPythonModel:
         cfg = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
         _add_site_dirs(json.loads(params.get("sys_path", "[]")))
+        self.text = None
+        if params.get("role", "engine") != "engine":
+            from macattn.runtime.triton_text import TextStage
+
+            self.text = TextStage(params["role"], params, pb_utils)
+            return
         import torch
 
         from macattn.methods.mac.config import MacConfig
@@ -112,17 +132,39 @@ class TritonPythonModel:
                 if arr.size != 1:
                     raise ValueError(f"{name} must hold exactly one value, got {arr.size}")
                 kwargs[name] = cast(arr[0].item())
+        if kwargs.get("end_id", 0) < 0:                # the ensemble's "no end token"
+            del kwargs["end_id"]
         rag = pb_utils.get_input_tensor_by_name(request, "rag_lengths")
         if rag is not None:
             kwargs["rag_lengths"] = rag.as_numpy().reshape(-1).tolist()
         return self.torch.from_numpy(ids.astype(np.int64, copy=False).copy()), kwargs
 
+    def _parse_delivery(self, request, p):
+        from macattn.runtime.triton_text import parse_word_list
+
+        stream = pb_utils.get_input_tensor_by_name(request, "stream")
+        if stream is not None:
+            arr = stream.as_numpy().reshape(-1)
+            if arr.size != 1:
+                raise ValueError(f"stream must hold exactly one value, got {arr.size}")
+            p.stream = bool(arr[0])
+        for name in ("stop_words", "bad_words"):
+            t = pb_utils.get_input_tensor_by_name(request, name)
+            words = [] if t is None else parse_word_list(t.as_numpy(), name)
+            if name == "bad_words" and words:
+                raise ValueError("bad_words is not supported by macattn (send none)")
+            if name == "stop_words":
+                p.stop = words
+
     def execute(self, requests):
+        if self.text is not None:
+            return self.text.execute(requests)
         pending = []
         for request in requests:
             p = _Pending(request.get_response_sender() if self.decoupled else None)
             try:
                 ids, kwargs = self._parse(request)
+                self._parse_delivery(request, p)
             except Exception as exc:                   # noqa: BLE001 - reported to the client
                 self._fail(p, f"bad request: {exc}")
             else:
@@ -151,7 +193,11 @@ class TritonPythonModel:
         if token is not None:
             p.tokens.append(token)
         if p.sender is not None:
-            if token is not None:
+            if not p.stream:
+                if finished:
+                    resp = pb_utils.InferenceResponse([pb_utils.Tensor("output_ids", np.asarray(p.tokens, np.int64))])
+                    p.sender.send(resp, flags=_FINAL)
+            elif token is not None:
                 resp = pb_utils.InferenceResponse([pb_utils.Tensor("output_ids", np.asarray([token], np.int64))])
                 p.sender.send(resp, flags=_FINAL if finished else 0)
             elif finished:
@@ -190,6 +236,9 @@ class TritonPythonModel:
                 p = live.get(o.request_id)
                 if p is None:
                     continue
+                if not o.finished and p.stop and o.token is not None and p.stopped_by(o.token):
+                    self.engine.abort(o.request_id)          # a stop word: this token is the last
+                    o = type(o)(o.request_id, o.token, True, "stop")
                 try:
                     self._deliver(p, o.token, o.finished)
                 except Exception as exc:               # noqa: BLE001 - e.g. the client went away
@@ -215,5 +264,7 @@ class TritonPythonModel:
         return seq.request_id
 
     def finalize(self):
+        if self.text is not None:
+            return
         self.stopping.set()
         self.loop.join(timeout=10)

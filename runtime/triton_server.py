@@ -73,10 +73,10 @@ def _clean_path(path: str, home: Path | None) -> str:
 
 
 def prepare_tritonserver(repo: str | Path, workdir: str | Path, *, http_port: int, grpc_port: int,
-                         address: str = "127.0.0.1") -> TritonLaunch:
+                         address: str = "127.0.0.1", metrics_port: int | None = None) -> TritonLaunch:
     """Set up ``workdir/backends`` and return the command line and environment to start the
-    server on ``address`` with the given ports. Raises ``RuntimeError`` saying why the bundled
-    server cannot run on this machine."""
+    server on ``address`` with the given ports (``metrics_port`` None: no Prometheus endpoint).
+    Raises ``RuntimeError`` saying why the bundled server cannot run on this machine."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise RuntimeError(f"the wheel's tritonserver is a Linux x86_64 binary; this is "
                            f"{platform.system()} {platform.machine()}")
@@ -101,17 +101,22 @@ def prepare_tritonserver(repo: str | Path, workdir: str | Path, *, http_port: in
         shutil.copy2(stub, backends / "python" / "triton_python_backend_stub")
     argv = [str(binary), f"--model-repository={Path(repo).resolve()}", f"--backend-directory={backends.resolve()}",
             f"--http-address={address}", f"--http-port={http_port}", f"--grpc-address={address}",
-            f"--grpc-port={grpc_port}", "--allow-metrics=false", "--exit-timeout-secs=5"]
+            f"--grpc-port={grpc_port}", "--exit-timeout-secs=5"]
+    argv += (["--allow-metrics=false"] if metrics_port is None else
+             ["--allow-metrics=true", "--allow-gpu-metrics=false", f"--metrics-address={address}",
+              f"--metrics-port={metrics_port}"])
     return TritonLaunch(argv, env, str(workdir))
 
 
 @dataclass(frozen=True)
 class RunningServer:
-    """A started ``tritonserver``: its endpoints (``host:port``), process and log file."""
+    """A started ``tritonserver``: its endpoints (``host:port``; ``metrics_url`` serves Prometheus
+    text at ``/metrics``), process and log file."""
     http_url: str
     grpc_url: str
     process: subprocess.Popen
     log_path: Path
+    metrics_url: str | None = None
 
 
 def _free_port(address: str) -> int:
@@ -122,11 +127,12 @@ def _free_port(address: str) -> int:
 
 @contextmanager
 def serve(repo: str | Path, workdir: str | Path, *, http_port: int = 0, grpc_port: int = 0,
-          address: str = "127.0.0.1", ready_timeout: float = 120.0) -> Iterator[RunningServer]:
+          metrics_port: int | None = 0, address: str = "127.0.0.1",
+          ready_timeout: float = 120.0) -> Iterator[RunningServer]:
     """Start the bundled ``tritonserver`` on ``repo``, wait until the server and every model of the
     repository are ready, yield the endpoints, and stop the server on exit. Port 0 picks a free
-    port. Raises ``RuntimeError`` with the end of the server log if it exits or is not ready in
-    ``ready_timeout`` seconds."""
+    port; ``metrics_port`` None turns the metrics endpoint off. Raises ``RuntimeError`` with the end
+    of the server log if it exits or is not ready in ``ready_timeout`` seconds."""
     from tritonclient import http as httpclient
 
     if ready_timeout <= 0:
@@ -135,7 +141,10 @@ def serve(repo: str | Path, workdir: str | Path, *, http_port: int = 0, grpc_por
     workdir.mkdir(parents=True, exist_ok=True)
     http_port = http_port or _free_port(address)
     grpc_port = grpc_port or _free_port(address)
-    launch = prepare_tritonserver(repo, workdir, http_port=http_port, grpc_port=grpc_port, address=address)
+    if metrics_port is not None:
+        metrics_port = metrics_port or _free_port(address)
+    launch = prepare_tritonserver(repo, workdir, http_port=http_port, grpc_port=grpc_port, address=address,
+                                  metrics_port=metrics_port)
     models = sorted(p.name for p in Path(repo).iterdir() if (p / "config.pbtxt").is_file())
     log_path = workdir / "tritonserver.log"
     with open(log_path, "wb") as log:
@@ -156,7 +165,8 @@ def serve(repo: str | Path, workdir: str | Path, *, http_port: int = 0, grpc_por
                                        f"{log_path.read_text()[-3000:]}")
                 time.sleep(0.25)
             client.close()  # an open keep-alive connection would hold the shutdown
-            yield RunningServer(f"{address}:{http_port}", f"{address}:{grpc_port}", proc, log_path)
+            yield RunningServer(f"{address}:{http_port}", f"{address}:{grpc_port}", proc, log_path,
+                                None if metrics_port is None else f"{address}:{metrics_port}")
         finally:
             client.close()
             proc.terminate()

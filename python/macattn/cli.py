@@ -28,9 +28,11 @@ def _cmd_triton_repo(args) -> int:
                                   max_batch_size=args.max_batch_size, block_size=args.block_size,
                                   device=args.device, torch_num_threads=args.torch_threads,
                                   sys_path=(args.sys_path.split(":") if args.sys_path else None),
-                                  sync_model=not args.no_sync_model)
+                                  sync_model=not args.no_sync_model, tokenizer_dir=args.tokenizer_dir)
     for d in dirs:
         print(f"wrote {d}")
+    if not any(d.name == "ensemble" for d in dirs):
+        print("no tokenizer in the engine's hf/ and no --tokenizer-dir: token-id models only (no text ensemble)")
     print(f"serve with: macattn serve --repo {args.out}  (the nvidia-pytriton wheel's tritonserver; or any "
           f"tritonserver with the Python backend: --model-repository={args.out})")
     return 0
@@ -50,9 +52,9 @@ def _cmd_serve(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with serve(args.repo, args.workdir, http_port=args.http_port, grpc_port=args.grpc_port,
-               address=args.address) as running:
-        print(f"tritonserver ready: HTTP {running.http_url}, gRPC {running.grpc_url} (log {running.log_path}); "
-              "Ctrl-C or SIGTERM stops it", flush=True)
+               metrics_port=args.metrics_port, address=args.address) as running:
+        print(f"tritonserver ready: HTTP {running.http_url}, gRPC {running.grpc_url}, metrics "
+              f"{running.metrics_url}/metrics (log {running.log_path}); Ctrl-C or SIGTERM stops it", flush=True)
         while running.process.poll() is None and not stop.wait(0.5):
             pass
     return 0
@@ -134,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="':'-separated site-packages for model.py (default: this interpreter's)")
     tri.add_argument("--per-layer", default=None, help="MacConfig JSON overriding the engine's MAC config")
     tri.add_argument("--no-sync-model", action="store_true", help="write only the decoupled streaming model")
+    tri.add_argument("--tokenizer-dir", default=None,
+                     help="tokenizer for the text ensemble (default: the engine's hf/ when it holds one)")
     tri.set_defaults(func=_cmd_triton_repo)
 
     srv = sub.add_parser("serve", help="--model: an OpenAI-compatible server (FastAPI + uvicorn); --repo: a model "
@@ -149,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--address", default="127.0.0.1")
     srv.add_argument("--http-port", type=int, default=8000, help="0 picks a free port (Triton)")
     srv.add_argument("--grpc-port", type=int, default=8001, help="0 picks a free port")
+    srv.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics (Triton); 0 picks a free port")
     srv.set_defaults(func=_cmd_serve)
 
     import importlib

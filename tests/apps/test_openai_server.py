@@ -84,7 +84,7 @@ def test_chat_completions_use_the_documented_template(server):
 
 def test_concurrent_async_streams_equal_their_solo_outputs(server):
     llm, url = server
-    prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS]      # 16 streams over 4 slots
+    prompts = [f"{p} {i}" for i in range(64 // len(PROMPTS) + 1) for p in PROMPTS][:64]   # 64 streams, 4 slots
     solo = {p: llm.generate(p, SamplingParams(max_tokens=6)).outputs[0].text for p in prompts}
 
     async def run():
