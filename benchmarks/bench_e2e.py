@@ -42,6 +42,7 @@ import json
 import platform
 import statistics
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import ClassVar
@@ -197,6 +198,32 @@ def time_step(eng, seqs, reps: int) -> tuple[list[float], torch.Tensor | None]:
     return us, hits
 
 
+def user_step_us(eng, seqs, reps: int) -> dict:
+    """Wall-clock µs of the step a user of the engine gets (``decode_step``: inputs written into the
+    bucket, the replay, the tokens read back, MAC's diagnostics), with MAC's diagnostics on and off."""
+    out = {}
+    method = eng.method
+    settings = [("user_step", None)] + ([("user_step_no_diagnostics", False)]
+                                        if hasattr(method, "collect_diagnostics") else [])
+    for name, diag in settings:
+        saved = getattr(method, "collect_diagnostics", None)
+        if diag is not None:
+            method.collect_diagnostics = diag
+        try:
+            for _ in range(3):
+                eng.executor.decode_step(seqs)
+            wall = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                eng.executor.decode_step(seqs)
+                wall.append((time.perf_counter() - t0) * 1e6)
+        finally:
+            if diag is not None:
+                method.collect_diagnostics = saved
+        out[f"{name}_us_median"] = statistics.median(wall)
+    return out
+
+
 def _summary(us: list[float]) -> dict:
     return {"step_us_median": statistics.median(us), "step_us_p10": sorted(us)[len(us) // 10],
             "step_us_p90": sorted(us)[(9 * len(us)) // 10]}
@@ -216,7 +243,8 @@ def run_path(model, path: str, B: int, context: int, weights: str, args, device,
             eng.method.plan(flashinfer, seqs, eng.config.block_size)
         if path != "mac":
             us, _ = time_step(eng, seqs, args.reps)
-            rows.append({**base, **_summary(us)} if us else {**base, "note": "no graph (CPU dry run)"})
+            rows.append({**base, **_summary(us), **user_step_us(eng, seqs, args.reps)} if us else
+                        {**base, "note": "no graph (CPU dry run)"})
             return rows
         for rate in args.hit_rates:
             draws = 1 if rate in (0.0, 1.0) else args.draws
@@ -228,6 +256,8 @@ def run_path(model, path: str, B: int, context: int, weights: str, args, device,
                        "window": args.window, "band": args.band, "tau": args.tau, "gap": args.gap}
                 if hits is not None:
                     rec["hit_rate_measured"] = float(hits.float().mean())
+                if us and rate == 1.0:
+                    rec.update(user_step_us(eng, seqs, args.reps))
                 rows.append({**rec, **_summary(us)} if us else {**rec, "note": "no graph (CPU dry run)"})
                 print(json.dumps(rows[-1]), flush=True)
         return rows

@@ -66,6 +66,7 @@ class DecodeBucket:
     mask: torch.Tensor | None = None
     plans: dict = field(default_factory=dict)
     match_pos: dict = field(default_factory=dict)
+    diag_index: tuple | None = None
     graphs: dict = field(default_factory=dict)
     outputs: dict = field(default_factory=dict)
 
@@ -222,9 +223,21 @@ class CudaDecoder:
         tokens = tokens[:B].cpu()
         method = ex.method
         method.decoded([s.slot for s in seqs], [s.num_tokens - 1 for s in seqs])
-        if isinstance(method, MacAttention):
+        if isinstance(method, MacAttention) and b.match_pos:
             for layer, mp in b.match_pos.items():
-                if method.collect_diagnostics:
-                    method.state.diagnostics.record(layer, mp[:B], b.positions[:B], method.config.for_layer(layer).band)
                 method.last_match_pos[layer] = mp[:B]
+            if method.collect_diagnostics:    # a few kernels, no host synchronisation
+                layers, bands = self._diag_index(b, method)
+                method.state.diagnostics.record_layers(
+                    layers, torch.stack(list(b.match_pos.values()))[:, :B], b.positions[:B], bands, b.slots[:B])
         return tokens, logits
+
+    def _diag_index(self, b: DecodeBucket, method) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket's MAC layers and their bands as device tensors, made once (``match_pos``'s order)."""
+        key = tuple(b.match_pos)
+        if b.diag_index is None or b.diag_index[0] != key:
+            dev = self.ex.device
+            b.diag_index = (key, torch.tensor(key, device=dev),
+                            torch.tensor([float(method.config.for_layer(layer).band) for layer in key],
+                                         dtype=torch.float64, device=dev))
+        return b.diag_index[1], b.diag_index[2]

@@ -94,7 +94,8 @@ class LLMEngine:
                 self.slot_states.register(name, state)
         if self.executor.decoder is not None:    # the padding rows' scratch, never a request's
             self.executor.reserve_scratch(self.slot_states.acquire())
-        self.scheduler = Scheduler(self.slot_states, self.executor.blocks)
+        self.scheduler = Scheduler(self.slot_states, self.executor.blocks,
+                                   on_finish=lambda seq: seq.metrics.update(self.method.request_metrics(seq.slot)))
         self.vocab_size = model.config.vocab_size
         self.requests: dict[int, Sequence] = {}
 

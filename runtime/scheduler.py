@@ -9,6 +9,7 @@ Finishing releases both (the slot's states are reset again).
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from macattn.runtime.block_manager import BlockManager
 from macattn.runtime.sequence import Sequence, SequenceStatus
@@ -18,9 +19,14 @@ __all__ = ["Scheduler"]
 
 
 class Scheduler:
-    def __init__(self, slots: SlotStates, blocks: BlockManager) -> None:
+    """``on_finish(seq)``: called for a running request about to release its slot (its per-slot
+    state is still there to read)."""
+
+    def __init__(self, slots: SlotStates, blocks: BlockManager,
+                 on_finish: Callable[[Sequence], None] | None = None) -> None:
         self.slots = slots
         self.blocks = blocks
+        self.on_finish = on_finish
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -51,6 +57,8 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Release the request's slot (states reset) and KV blocks."""
         if seq.status is SequenceStatus.RUNNING:
+            if self.on_finish is not None:
+                self.on_finish(seq)
             self.slots.release(seq.slot)
             self.blocks.free(seq)
             self.running.remove(seq)

@@ -37,6 +37,8 @@ class Sequence:
     seed: int = 0                             # sampling seed (``SamplingParams.make_seed``)
     # A3 fused prefill: (RagPrompt, A3Config, ChunkKVStore | None); see runtime/a3_assembly.py
     rag: tuple | None = field(default=None, repr=False)
+    # the attention method's figures of this request, set when it finishes (``request_metrics``)
+    metrics: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -159,3 +159,20 @@ def test_shutdown_stops_the_loop_and_a_new_call_restarts_it():
     assert not thread.is_alive()
     assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=3)).outputs[0].token_ids == a.outputs[0].token_ids
     llm.shutdown()
+
+
+def test_request_metrics_report_its_own_mac_hits():
+    """``metrics["mac_hit_rate"]`` / ``["mac_kv_skip"]`` are the request's own: with one request at a time
+    they equal the change of the engine-wide diagnostics over that request, and a reused slot starts at 0."""
+    with LLM("builtin", max_batch_size=1, mac=MacConfig(window=64, band=8)) as llm:
+        d = llm.engine.mac_state.diagnostics
+        seen = []
+        for prompt in ("The Lord is my shepherd; " * 6, "And it came to pass " * 5):
+            before = [t.sum().item() for t in (d.steps, d.hits, d.skipped)]
+            out = llm.generate(prompt, SamplingParams(max_tokens=10))
+            steps, hits, skipped = (t.sum().item() - b for t, b in zip((d.steps, d.hits, d.skipped), before))
+            assert out.metrics["mac_hit_rate"] == pytest.approx(hits / steps)
+            assert out.metrics["mac_kv_skip"] == pytest.approx(skipped / steps)
+            seen.append(out.metrics["mac_hit_rate"])
+        assert max(seen) > 0 and 0 <= min(seen) <= 1
+        assert torch.count_nonzero(d.per_slot) == 0             # released slots are empty again

@@ -145,9 +145,13 @@ def test_health_and_metrics(server):
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     text = httpx.get(f"{url}/metrics").text
     for name in ("macattn_requests_total", "macattn_generated_tokens_total", "macattn_time_to_first_token_seconds",
-                 "macattn_inter_token_latency_seconds", "macattn_requests_running"):
+                 "macattn_inter_token_latency_seconds", "macattn_requests_running", "macattn_requests_waiting",
+                 "macattn_kv_blocks_in_use", "macattn_mac_hit_rate", "macattn_mac_kv_skip"):
         assert name in text
     assert 'macattn_requests_total{endpoint="/v1/completions",status="200"}' in text
+    counts = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines() if ln.startswith("macattn_mac_")}
+    assert counts["macattn_mac_hit_rate_count"] >= 1          # every finished MAC request observed
+    assert counts["macattn_mac_hit_rate_sum"] > 0             # the repetitive prompts hit
 
 
 def test_sigterm_with_a_request_in_flight_exits_cleanly():

@@ -148,7 +148,9 @@ class CompletionOutput:
 class RequestOutput:
     """``prompt`` (None for a token id prompt), ``prompt_token_ids``, ``outputs`` (one
     ``CompletionOutput``), ``finished``, ``metrics``: ``ttft_s`` (submission to first token),
-    ``inter_token_latency_s`` (mean gap between later tokens), ``e2e_s``, ``num_generated_tokens``."""
+    ``inter_token_latency_s`` (mean gap between later tokens), ``e2e_s``, ``num_generated_tokens`` and
+    the method's figures of the request (MAC: ``mac_hit_rate``, the share of its (step, layer, head)
+    matches that hit, and ``mac_kv_skip``, the mean share of the prefix a step skipped)."""
 
     request_id: int
     prompt: str | None
@@ -302,7 +304,7 @@ def _record(engine: LLMEngine, tokenizer, step, seq, sp: SamplingParams, out: Re
         gaps = [b - a for a, b in zip(times, times[1:])]
         out.metrics = {"ttft_s": times[0] - start if times else None,
                        "inter_token_latency_s": sum(gaps) / len(gaps) if gaps else None,
-                       "e2e_s": now - start, "num_generated_tokens": len(comp.token_ids)}
+                       "e2e_s": now - start, "num_generated_tokens": len(comp.token_ids), **seq.metrics}
 
 
 def _logits(step, sp: SamplingParams, comp: CompletionOutput) -> None:

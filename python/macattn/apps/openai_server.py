@@ -81,7 +81,7 @@ def chat_prompt(tokenizer, messages: list[dict]) -> str:
 
 
 class _Metrics:
-    def __init__(self) -> None:
+    def __init__(self, llm: LLM) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("macattn_requests", "Requests by endpoint and status", ["endpoint", "status"],
@@ -91,11 +91,23 @@ class _Metrics:
         self.itl = Histogram("macattn_inter_token_latency_seconds", "Mean gap between tokens of a request", registry=r)
         self.e2e = Histogram("macattn_e2e_request_latency_seconds", "Request latency", registry=r)
         self.running = Gauge("macattn_requests_running", "Requests in flight", registry=r)
+        # read at scrape time (plain ints of the engine; no lock needed for a gauge)
+        sched, blocks = llm.engine.scheduler, llm.engine.executor.blocks
+        Gauge("macattn_requests_waiting", "Requests queued for a slot", registry=r).set_function(
+            lambda: len(sched.waiting))
+        Gauge("macattn_kv_blocks_in_use", "Paged KV blocks held by requests", registry=r).set_function(
+            lambda: blocks.num_blocks - blocks.num_free)
+        share = [i / 10 for i in range(11)]
+        self.mac_hit = Histogram("macattn_mac_hit_rate", "Per request: share of MAC matches that hit",
+                                 buckets=share, registry=r)
+        self.mac_skip = Histogram("macattn_mac_kv_skip", "Per request: mean share of the prefix a step skipped",
+                                  buckets=share, registry=r)
 
     def finished(self, out: RequestOutput) -> None:
         m = out.metrics
         self.tokens.inc(m.get("num_generated_tokens", 0))
-        for hist, key in ((self.ttft, "ttft_s"), (self.itl, "inter_token_latency_s"), (self.e2e, "e2e_s")):
+        for hist, key in ((self.ttft, "ttft_s"), (self.itl, "inter_token_latency_s"), (self.e2e, "e2e_s"),
+                          (self.mac_hit, "mac_hit_rate"), (self.mac_skip, "mac_kv_skip")):
             if m.get(key) is not None:
                 hist.observe(m[key])
 
@@ -109,7 +121,7 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
 def build_app(llm: LLM, model_name: str, *, default_max_tokens: int = 16) -> FastAPI:
     """The FastAPI application serving ``llm`` as ``model_name``."""
     app = FastAPI(title="macattn OpenAI-compatible server")
-    metrics = _Metrics()
+    metrics = _Metrics(llm)
     tok = llm.tokenizer
 
     @app.exception_handler(RequestValidationError)

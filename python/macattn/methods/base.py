@@ -147,6 +147,11 @@ class AttentionMethod:
         so the runtime may capture it (only asked when ``capabilities.cuda_graphs`` is set)."""
         return True
 
+    def request_metrics(self, slot: int) -> dict[str, float]:
+        """Figures of the request in ``slot`` at its end (read before the slot is reset; may read
+        the device once)."""
+        return {}
+
     def decoded(self, slots: list[int], positions: list[int]) -> None:
         """Host-side bookkeeping after a decode step of the requests in ``slots`` at ``positions``
         (called by the runtime outside any captured graph; plain ints, no device reads)."""

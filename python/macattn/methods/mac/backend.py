@@ -58,6 +58,9 @@ class MacAttention(AttentionMethod):
     def slot_states(self):
         return {"mac": self.state}
 
+    def request_metrics(self, slot: int) -> dict[str, float]:
+        return self.state.diagnostics.request(slot) if self.collect_diagnostics else {}
+
     # --- plain transformers use (no runtime) -------------------------------------------------
     def start_batch(self, batch_size: int) -> None:
         """Release the previous call's rows and take fresh (reset) ones for ``batch_size`` requests."""
@@ -144,7 +147,8 @@ class MacAttention(AttentionMethod):
                          sketch(qp.to(rings[0].dtype), params.match_sketch))
         self.last_match_pos[layer] = match_pos
         if self.collect_diagnostics and step.rings is None:
-            self.state.diagnostics.record(layer, match_pos, positions, params.band)
+            self.state.diagnostics.record(layer, match_pos, positions, params.band,
+                                          slots if step.slots is not None else None)
         if self.record_error:
             full = full_attention_reference(q, key, value, positions, scale=scale)
             err = (out.to(full.dtype) - full).norm() / full.norm().clamp(min=1e-30)

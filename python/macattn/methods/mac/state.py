@@ -41,30 +41,65 @@ __all__ = ["MacState", "MacDiagnostics"]
 
 @dataclass
 class MacDiagnostics:
-    """Per layer × query head accumulators (SPEC §1.5), fp64 ``[L, Hq]``."""
+    """Accumulators (SPEC §1.5), fp64 on the state's device, updated without any host
+    synchronisation (a reader's ``.tolist()`` / ``float()`` is where the host waits):
+
+    per layer × query head ``[L, Hq]``: ``steps``, ``hits``, ``skipped`` (sum of ``(p - r)_+ / m``
+    over steps; misses add 0), ``gap`` (sum of ``m - p`` over hits); per slot ``[S, 3]``:
+    ``per_slot`` = (head-steps, hits, skipped) of the request in the slot, summed over layers and
+    heads (reset with the slot; ``MacAttention.request_metrics`` reads it at the request's end).
+    """
 
     steps: torch.Tensor
     hits: torch.Tensor
-    skipped: torch.Tensor   # sum of (p - r)_+ / m over steps (misses add 0)
-    gap: torch.Tensor       # sum of m - p over hits
+    skipped: torch.Tensor
+    gap: torch.Tensor
+    per_slot: torch.Tensor
 
     @classmethod
-    def zeros(cls, num_layers: int, num_heads: int) -> "MacDiagnostics":
-        z = lambda: torch.zeros(num_layers, num_heads, dtype=torch.float64)  # noqa: E731
-        return cls(z(), z(), z(), z())
+    def zeros(cls, num_layers: int, num_heads: int, num_slots: int = 1,
+              device: torch.device | str = "cpu") -> "MacDiagnostics":
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=device)  # noqa: E731
+        return cls(z(num_layers, num_heads), z(num_layers, num_heads), z(num_layers, num_heads),
+                   z(num_layers, num_heads), z(num_slots, 3))
 
-    def record(self, layer: int, match_pos: torch.Tensor, positions: torch.Tensor, band: int) -> None:
-        """Add one step of ``match_pos [B, Hq]`` (-1 miss) at ``positions [B]``."""
-        mp = match_pos.detach().to("cpu", torch.float64)
-        m = positions.detach().to("cpu", torch.float64).unsqueeze(1)
+    def record(self, layer: int, match_pos: torch.Tensor, positions: torch.Tensor, band: int,
+               slots: torch.Tensor | None = None) -> None:
+        """Add one step of one layer: ``match_pos [B, Hq]`` (-1 miss) at ``positions [B]``."""
+        dev = self.hits.device
+        self.record_layers(torch.full((1,), layer, device=dev), match_pos.unsqueeze(0), positions,
+                           torch.full((1,), band, dtype=torch.float64, device=dev), slots)
+
+    def record_layers(self, layers: torch.Tensor, match_pos: torch.Tensor, positions: torch.Tensor,
+                      bands: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+        """Add one step of several layers: ``match_pos [n, B, Hq]`` of ``layers [n]`` int64 (their bands
+        ``[n]`` fp64; both on the accumulators' device: building them per step from host lists would
+        synchronise) at ``positions [B]``; ``slots [B]`` (None: no per-slot figures) the requests' rows."""
+        dev = self.hits.device
+        mp = match_pos.detach().to(dev, torch.float64)
+        m = positions.detach().to(dev, torch.float64).view(1, -1, 1)
+        band = bands.view(-1, 1, 1)
         hit = mp >= 0
-        self.steps[layer] += mp.shape[0]
-        self.hits[layer] += hit.sum(0)
-        self.skipped[layer] += torch.where(hit, (mp - band).clamp(min=0) / m.clamp(min=1), 0.0).sum(0)
-        self.gap[layer] += torch.where(hit, m - mp, 0.0).sum(0)
+        skip = torch.where(hit, (mp - band).clamp(min=0) / m.clamp(min=1), 0.0)
+        idx = layers
+        self.steps.index_add_(0, idx, torch.full_like(self.steps[: len(layers)], mp.shape[1]))
+        self.hits.index_add_(0, idx, hit.sum(1, dtype=torch.float64))
+        self.skipped.index_add_(0, idx, skip.sum(1))
+        self.gap.index_add_(0, idx, torch.where(hit, m - mp, 0.0).sum(1))
+        if slots is not None:
+            rows = torch.stack([torch.full_like(skip[0, :, 0], mp.shape[0] * mp.shape[2]),
+                                hit.sum((0, 2), dtype=torch.float64), skip.sum((0, 2))], 1)   # [B, 3]
+            self.per_slot.index_add_(0, slots.to(dev), rows)
+
+    def request(self, slot: int) -> dict[str, float]:
+        """The request in ``slot``: MAC hit rate and skipped prefix over its decode steps (reads the device)."""
+        steps, hits, skipped = self.per_slot[slot].tolist()
+        if not steps:
+            return {}
+        return {"mac_hit_rate": hits / steps, "mac_kv_skip": skipped / steps}
 
     def reset(self) -> None:
-        for t in (self.steps, self.hits, self.skipped, self.gap):
+        for t in (self.steps, self.hits, self.skipped, self.gap, self.per_slot):
             t.zero_()
 
     @property
@@ -120,7 +155,8 @@ class MacState(SlotPool):
                 num_slots, num_q_heads, K, sketch_dims(p.match_sketch, head_dim),
                 dtype=sketch_dtype(p.match_sketch), device=device))
         return cls(config, qring, oring, lse, pos, torch.zeros(num_slots, dtype=torch.bool),
-                   MacDiagnostics.zeros(num_layers, num_q_heads), sring, list(range(num_slots - 1, -1, -1)))
+                   MacDiagnostics.zeros(num_layers, num_q_heads, num_slots, device), sring,
+                   list(range(num_slots - 1, -1, -1)))
 
     @property
     def num_layers(self) -> int:
@@ -140,6 +176,7 @@ class MacState(SlotPool):
             p[slot].fill_(-1)
             if sr is not None:
                 sr[slot].zero_()
+        self.diagnostics.per_slot[slot].zero_()
 
     def sketch_rows_(self, layer: int, slots: torch.Tensor) -> None:
         """Recompute ``sring[layer]`` rows ``slots [n]`` from ``qring`` (after the traceable seeding);
