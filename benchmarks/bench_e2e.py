@@ -191,7 +191,7 @@ def time_step(eng, seqs, reps: int) -> tuple[list[float], torch.Tensor | None]:
     if paged is None:
         return [], None
     bucket = paged.buckets[paged.bucket_size(len(seqs))]
-    us = graph_replay_us(bucket.graphs[True], reps)
+    us = graph_replay_us(bucket.graphs[paged.step_key(seqs)], reps)
     hits = None
     if bucket.match_pos:
         hits = torch.stack([mp[: len(seqs)] for mp in bucket.match_pos.values()]) >= 0

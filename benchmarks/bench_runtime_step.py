@@ -66,7 +66,7 @@ def measure(model, *, mac: MacConfig | None, fused: bool, B: int, context: int, 
     ex = eng.executor
     if ex.decoder is not None:
         bucket = ex.decoder.buckets[ex.decoder.bucket_size(B)]
-        us = graph_replay_us(bucket.graphs[True], reps)   # the engine's captured decode step (greedy)
+        us = graph_replay_us(bucket.graphs[ex.decoder.step_key(eng.scheduler.running)], reps)   # the engine's step
         rec.update(step_us_median=statistics.median(us), step_us_p10=sorted(us)[len(us) // 10],
                    weight_bytes=_weight_bytes(ex))
     else:

@@ -5,10 +5,11 @@ FlashInfer's plan()/run() split, applied to the whole model step: per batch buck
 inputs (token ids, positions ``m``, state slots, sampling rows; for a method over the paged KV
 pool also the page table, the KV write rows and one ``MacDecodePlan`` per distinct layer
 configuration (window, band, tau)) and, with ``use_cuda_graphs``, the captured steps: embedding
--> layers -> final norm -> logits -> next tokens, one graph per sampler variant (``greedy``:
-argmax only; ``sampled``: temperature / top-k / top-p, captured the first time a batch has a
-sampling request). The host writes the inputs, replays, and reads the tokens back: the one
-synchronisation of a step. ``step`` pads a batch of ``B <= nb`` requests with rows that point
+-> layers -> final norm -> logits -> next tokens (-> MAC's diagnostics accumulators), one graph
+per variant ``(greedy, diagnostics)`` (``greedy``: argmax only, else temperature / top-k / top-p,
+captured the first time a batch has a sampling request; ``diagnostics``:
+``MacAttention.collect_diagnostics``). The host writes the inputs (``StepInputs``: one copy),
+replays, and reads the tokens back: the one synchronisation of a step. ``step`` pads a batch of ``B <= nb`` requests with rows that point
 at a scratch state slot (and a scratch KV block), owned by the executor and never handed to a
 request, so padding never touches a request's state.
 
@@ -17,12 +18,14 @@ Over the paged pool, every layer's attention (the bound method, ``StepContext.pa
 ring append) or ``run_full`` (MAC off in a layer, and the full-attention method). A method that
 keeps its own KV (``capabilities.paged_kv`` False: retrieval-completion) gets the slots and
 positions only. Graphs are captured when every bound method (and FastMKA composed with it)
-declares ``cuda_graphs`` and ``decode_capturable()`` holds for its config. Diagnostics (MAC hit rate, skipped
-prefix, gap) are recorded after the step from the per-layer ``match_pos`` buffers of the real
-rows; a method's host-side bookkeeping runs in its ``decoded`` hook.
+declares ``cuda_graphs`` and ``decode_capturable()`` holds for its config. MAC's diagnostics (hit
+rate, skipped prefix, gap; per layer and per request slot) are accumulated inside the step from
+the per-layer ``match_pos`` buffers, padding rows weighted 0; a method's host-side bookkeeping
+runs in its ``decoded`` hook after the step.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -30,11 +33,30 @@ import torch
 from macattn.methods.mac.backend import MacAttention
 from macattn.methods.mac.match_sketch import sketch_dims, sketch_dtype, sketch_projection_of
 from macattn.runtime.kv_cache import PagedWriteView
-from macattn.runtime.sampling import SamplingBatch, sample_tokens
+from macattn.runtime.sampling import SamplingBatch, SamplingParams, sample_tokens
+from macattn.runtime.step_inputs import StepInputs
 
 __all__ = ["DecodeBucket", "CudaDecoder"]
 
 FULL_PLAN = "full"   # the plan key of the full-attention method (an attend-only plan)
+_GREEDY = SamplingParams()   # what padding rows sample with
+_UNSET = object()            # a page-table row not written yet
+
+
+class _RowsOf(Mapping):
+    """``layer -> match_pos[:B]`` of a bucket's buffers, sliced when read (not per step)."""
+
+    def __init__(self, match_pos: dict, rows: int) -> None:
+        self._mp, self._rows = match_pos, rows
+
+    def __getitem__(self, layer):
+        return self._mp[layer][: self._rows]
+
+    def __iter__(self):
+        return iter(self._mp)
+
+    def __len__(self) -> int:
+        return len(self._mp)
 
 
 def plan_key(params) -> tuple:
@@ -52,7 +74,7 @@ class DecodeBucket:
     ``SamplingBatch``. Over the paged pool only (else None): page_table ``[nb, max_pages]``
     int32, write_rows ``[nb]`` int64 (flat pool row of position ``m``), mask ``[nb, 1, 1, 1]``
     bool (all true: the op masks by position). plans: layer params -> ``MacDecodePlan``. match_pos: layer -> ``[nb, Hq]``
-    int64 written each step. graphs / outputs: per sampler variant (``greedy``: bool), the captured
+    int64 written each step. graphs / outputs: per variant (``step_key``), the captured
     step and its ``(tokens [nb], logits [nb, V])``.
     """
 
@@ -67,6 +89,8 @@ class DecodeBucket:
     plans: dict = field(default_factory=dict)
     match_pos: dict = field(default_factory=dict)
     diag_index: tuple | None = None
+    inputs: StepInputs | None = None
+    table_rows: list = field(default_factory=list)
     graphs: dict = field(default_factory=dict)
     outputs: dict = field(default_factory=dict)
 
@@ -120,16 +144,14 @@ class CudaDecoder:
     def _new_bucket(self, nb: int) -> DecodeBucket:
         ex, dev = self.ex, self.ex.device
         hf = ex.model.config
-        b = DecodeBucket(
-            nb=nb,
-            ids=torch.empty(nb, 1, dtype=torch.int64, device=dev),
-            positions=torch.empty(nb, dtype=torch.int64, device=dev),
-            slots=torch.empty(nb, dtype=torch.int64, device=dev),
-            sampling=SamplingBatch.empty(nb, dev))
+        inputs = StepInputs(nb, max_pages=self.max_pages, paged=self.paged_kv, device=dev)
+        d = inputs.device
+        b = DecodeBucket(nb=nb, ids=d["ids"], positions=d["positions"], slots=d["slots"], sampling=inputs.sampling(),
+                         inputs=inputs)
         if self.paged_kv:
-            b.page_table = torch.empty(nb, self.max_pages, dtype=torch.int32, device=dev)
-            b.write_rows = torch.empty(nb, dtype=torch.int64, device=dev)
+            b.page_table, b.write_rows = d["page_table"], d["write_rows"]
             b.mask = torch.ones(nb, 1, 1, 1, dtype=torch.bool, device=dev)
+            b.table_rows = [_UNSET] * nb
         self._write_inputs(b, [])
         if not self.paged_kv:
             return b
@@ -153,23 +175,24 @@ class CudaDecoder:
             b.plans[FULL_PLAN] = plan(1, 0, None)
         return b
 
-    def _capture(self, b: DecodeBucket, greedy: bool) -> None:
-        """Capture ``b``'s whole step with the ``greedy`` sampler variant (warm-up first, on the
-        bucket's scratch rows only: slot, block, position 0 — no request's state is touched)."""
+    def _capture(self, b: DecodeBucket, key: tuple[bool, bool]) -> None:
+        """Capture ``b``'s whole step for ``key = (greedy, diagnostics)`` (warm-up first, on the
+        bucket's scratch rows only: slot, block, position 0 — no request's state is touched; padding
+        rows weigh 0 in the diagnostics)."""
         dev = self.ex.device
         self._write_inputs(b, [])
         s = torch.cuda.Stream(dev)
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):
             for _ in range(2):
-                self._forward(b, greedy)
+                self._forward(b, *key)
         torch.cuda.current_stream(dev).wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            b.outputs[greedy] = self._forward(b, greedy)
-        b.graphs[greedy] = graph
+            b.outputs[key] = self._forward(b, *key)
+        b.graphs[key] = graph
 
-    def _forward(self, b: DecodeBucket, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, b: DecodeBucket, greedy: bool, diagnostics: bool) -> tuple[torch.Tensor, torch.Tensor]:
         ex = self.ex
         if not self.paged_kv:
             with ex.step(slots=b.slots, positions=b.positions):
@@ -177,28 +200,55 @@ class CudaDecoder:
         else:
             with ex.step(slots=b.slots, positions=b.positions, paged=b):
                 logits = ex.run_model(b.ids, b.positions.view(b.nb, 1), b.mask, PagedWriteView(ex.kv, b.write_rows))
-        return sample_tokens(logits, b.sampling, greedy_only=greedy), logits
+        tokens = sample_tokens(logits, b.sampling, greedy_only=greedy)
+        if diagnostics and b.match_pos:     # MAC's accumulators, inside the step: no host work per step
+            layers, bands = self._diag_index(b, ex.method)
+            ex.method.state.diagnostics.record_layers(layers, torch.stack(list(b.match_pos.values())), b.positions,
+                                                      bands, b.slots, weights=b.inputs.device["valid"])
+        return tokens, logits
 
     def _write_inputs(self, b: DecodeBucket, seqs) -> None:
-        """Write ``seqs``' step inputs into ``b``'s static tensors; rows past ``len(seqs)`` (all of them
-        for ``[]``) point at the scratch slot, block and position 0."""
-        ex = self.ex
-        nb, bs = b.nb, ex.config.block_size
+        """Write ``seqs``' step inputs into ``b``'s static tensors (``StepInputs``: numpy writes into the
+        pinned twin, one copy); rows past ``len(seqs)`` (all of them for ``[]``) point at the scratch
+        slot, block and position 0. A page-table row is rewritten only when its request or block
+        count changed."""
+        ex, h = self.ex, b.inputs.host
+        n, bs = len(seqs), ex.config.block_size
         m = [s.num_tokens - 1 for s in seqs]
-        pad = nb - len(seqs)
-        b.ids.copy_(torch.tensor([[s.output[-1]] for s in seqs] + [[0]] * pad), non_blocking=True)
-        b.positions.copy_(torch.tensor(m + [0] * pad), non_blocking=True)
-        b.slots.copy_(torch.tensor([s.slot for s in seqs] + [ex.scratch_slot] * pad), non_blocking=True)
-        b.sampling.copy_(SamplingBatch.of(ex.sampling_rows(seqs), "cpu", pad_to=nb))
+        h["ids"][:n, 0] = [s.output[-1] for s in seqs]
+        h["ids"][n:] = 0
+        h["positions"][:n] = m
+        h["positions"][n:] = 0
+        h["slots"][:n] = [s.slot for s in seqs]
+        h["slots"][n:] = ex.scratch_slot
+        h["valid"][:n] = 1.0
+        h["valid"][n:] = 0.0
+        rows = ex.sampling_rows(seqs) + [(_GREEDY, 0, 0)] * (b.nb - n)
+        h["temperature"][:] = [p.temperature for p, _, _ in rows]
+        h["top_k"][:] = [p.top_k for p, _, _ in rows]
+        h["top_p"][:] = [p.top_p for p, _, _ in rows]
+        h["seed"][:] = [seed for _, seed, _ in rows]
+        h["sample_pos"][:] = [pos for _, _, pos in rows]
         if self.paged_kv:
-            table = torch.full((nb, self.max_pages), ex.scratch_block, dtype=torch.int32)
-            for i, s in enumerate(seqs):
-                table[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-            rows = [s.block_table[x // bs] * bs + x % bs for s, x in zip(seqs, m)] + [ex.scratch_block * bs] * pad
-            b.page_table.copy_(table, non_blocking=True)
-            b.write_rows.copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
+            h["write_rows"][:n] = [s.block_table[x // bs] * bs + x % bs for s, x in zip(seqs, m)]
+            h["write_rows"][n:] = ex.scratch_block * bs
+            table = h["page_table"]
+            for i in range(b.nb):
+                key = (seqs[i].request_id, len(seqs[i].block_table)) if i < n else None
+                if b.table_rows[i] != key:
+                    table[i] = ex.scratch_block
+                    if key is not None:
+                        table[i, :key[1]] = seqs[i].block_table
+                    b.table_rows[i] = key
+        b.inputs.upload()
 
     # --- one step --------------------------------------------------------------------------
+    def step_key(self, seqs) -> tuple[bool, bool]:
+        """Which captured variant a step of ``seqs`` replays: ``(greedy sampler only, MAC diagnostics on)``."""
+        method = self.ex.method
+        return (all(s.sampling.greedy for s in seqs),
+                isinstance(method, MacAttention) and method.collect_diagnostics)
+
     @torch.inference_mode()
     def step(self, seqs) -> tuple[torch.Tensor, torch.Tensor]:
         """``(next tokens [B] int64 on the CPU, logits [B, V])`` of each request's token at
@@ -209,27 +259,22 @@ class CudaDecoder:
         b = self.buckets.get(nb)
         if b is None:
             b = self.buckets[nb] = self._new_bucket(nb)
-        greedy = all(s.sampling.greedy for s in seqs)
-        if self.use_cuda_graphs and greedy not in b.graphs:
-            self._capture(b, greedy)
+        method = ex.method
+        key = self.step_key(seqs)
+        if self.use_cuda_graphs and key not in b.graphs:
+            self._capture(b, key)
         self._write_inputs(b, seqs)
         if self.use_cuda_graphs:
-            b.graphs[greedy].replay()
-            tokens, logits = b.outputs[greedy]
+            b.graphs[key].replay()
+            tokens, logits = b.outputs[key]
             logits = logits[:B].clone()
         else:
-            tokens, logits = self._forward(b, greedy)
+            tokens, logits = self._forward(b, *key)
             logits = logits[:B]
         tokens = tokens[:B].cpu()
-        method = ex.method
         method.decoded([s.slot for s in seqs], [s.num_tokens - 1 for s in seqs])
         if isinstance(method, MacAttention) and b.match_pos:
-            for layer, mp in b.match_pos.items():
-                method.last_match_pos[layer] = mp[:B]
-            if method.collect_diagnostics:    # a few kernels, no host synchronisation
-                layers, bands = self._diag_index(b, method)
-                method.state.diagnostics.record_layers(
-                    layers, torch.stack(list(b.match_pos.values()))[:, :B], b.positions[:B], bands, b.slots[:B])
+            method.last_match_pos = _RowsOf(b.match_pos, B)
         return tokens, logits
 
     def _diag_index(self, b: DecodeBucket, method) -> tuple[torch.Tensor, torch.Tensor]:

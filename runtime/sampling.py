@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -98,15 +98,6 @@ class SamplingBatch:
         dtypes = (torch.float32, torch.int64, torch.float32, torch.int64, torch.int64)
         return SamplingBatch(*(torch.tensor(c, dtype=dt).to(device, non_blocking=True) for c, dt in zip(cols, dtypes)))
 
-    @staticmethod
-    def empty(n: int, device) -> "SamplingBatch":
-        """Static rows (a CUDA-graph bucket's), greedy until written."""
-        return SamplingBatch.of([], device, pad_to=n)
-
-    def copy_(self, other: "SamplingBatch") -> None:
-        """Write ``other``'s rows into these (same length)."""
-        for f in fields(self):
-            getattr(self, f.name).copy_(getattr(other, f.name), non_blocking=True)
 
 
 _M32 = 0xFFFFFFFF

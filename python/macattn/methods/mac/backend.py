@@ -8,6 +8,7 @@ path, the plan's Triton kernels on it) over the state's sketch ring, which every
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar
 
 import torch
@@ -32,7 +33,8 @@ class MacAttention(AttentionMethod):
     also computes full attention and keeps ``||mac - full|| / ||full||`` per layer in
     ``layer_errors`` (diagnostics only); ``collect_diagnostics`` — hit / skip / gap per layer
     and head into ``state.diagnostics`` (the runtime's GPU decode records them after the step).
-    Outputs of the latest decode call: ``last_match_pos[layer]`` ``[B, Hq]`` int64 (-1 miss).
+    Outputs of the latest decode call: ``last_match_pos[layer]`` ``[B, Hq]`` int64 (-1 miss; a
+    mapping of layer to tensor).
     Without a runtime (``StepContext.slots`` None, plain ``model.generate``) a fresh prompt takes
     ``B`` fresh rows (``slots``) and releases the previous call's.
     """
@@ -52,7 +54,7 @@ class MacAttention(AttentionMethod):
         self.record_error = False
         self.collect_diagnostics = True
         self.layer_errors: dict[int, list[float]] = {}
-        self.last_match_pos: dict[int, torch.Tensor] = {}
+        self.last_match_pos: Mapping[int, torch.Tensor] = {}
         self.slots: torch.Tensor | None = None      # plain-transformers rows (no runtime)
 
     def slot_states(self):
@@ -145,6 +147,8 @@ class MacAttention(AttentionMethod):
         if sring is not None:    # the append's sketch (mac_attend appended qp to the ring)
             index_store_(sring, (slots, slice(None), positions % sring.shape[2]),
                          sketch(qp.to(rings[0].dtype), params.match_sketch))
+        if not isinstance(self.last_match_pos, dict):      # the GPU decoder's read-only view
+            self.last_match_pos = {}
         self.last_match_pos[layer] = match_pos
         if self.collect_diagnostics and step.rings is None:
             self.state.diagnostics.record(layer, match_pos, positions, params.band,

@@ -71,24 +71,26 @@ class MacDiagnostics:
                            torch.full((1,), band, dtype=torch.float64, device=dev), slots)
 
     def record_layers(self, layers: torch.Tensor, match_pos: torch.Tensor, positions: torch.Tensor,
-                      bands: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+                      bands: torch.Tensor, slots: torch.Tensor | None = None,
+                      weights: torch.Tensor | None = None) -> None:
         """Add one step of several layers: ``match_pos [n, B, Hq]`` of ``layers [n]`` int64 (their bands
         ``[n]`` fp64; both on the accumulators' device: building them per step from host lists would
-        synchronise) at ``positions [B]``; ``slots [B]`` (None: no per-slot figures) the requests' rows."""
+        synchronise) at ``positions [B]``; ``slots [B]`` (None: no per-slot figures) the requests' rows;
+        ``weights [B]`` fp64 1 for a real row, 0 for padding (None: all real). Tensor ops only, so a
+        CUDA graph can hold it."""
         dev = self.hits.device
         mp = match_pos.detach().to(dev, torch.float64)
-        m = positions.detach().to(dev, torch.float64).view(1, -1, 1)
-        band = bands.view(-1, 1, 1)
-        hit = mp >= 0
-        skip = torch.where(hit, (mp - band).clamp(min=0) / m.clamp(min=1), 0.0)
-        idx = layers
-        self.steps.index_add_(0, idx, torch.full_like(self.steps[: len(layers)], mp.shape[1]))
-        self.hits.index_add_(0, idx, hit.sum(1, dtype=torch.float64))
-        self.skipped.index_add_(0, idx, skip.sum(1))
-        self.gap.index_add_(0, idx, torch.where(hit, m - mp, 0.0).sum(1))
+        n, B, Hq = mp.shape
+        w = (torch.ones(B, dtype=torch.float64, device=dev) if weights is None else weights.to(dev)).view(1, B, 1)
+        m = positions.detach().to(dev, torch.float64).view(1, B, 1)
+        hit = (mp >= 0).to(torch.float64) * w
+        skip = torch.where(mp >= 0, (mp - bands.view(-1, 1, 1)).clamp(min=0) / m.clamp(min=1), 0.0) * w
+        self.steps.index_add_(0, layers, w.sum().expand(n, Hq))
+        self.hits.index_add_(0, layers, hit.sum(1))
+        self.skipped.index_add_(0, layers, skip.sum(1))
+        self.gap.index_add_(0, layers, ((m - mp) * hit).sum(1))
         if slots is not None:
-            rows = torch.stack([torch.full_like(skip[0, :, 0], mp.shape[0] * mp.shape[2]),
-                                hit.sum((0, 2), dtype=torch.float64), skip.sum((0, 2))], 1)   # [B, 3]
+            rows = torch.stack([w.view(B) * (n * Hq), hit.sum((0, 2)), skip.sum((0, 2))], 1)   # [B, 3]
             self.per_slot.index_add_(0, slots.to(dev), rows)
 
     def request(self, slot: int) -> dict[str, float]:
