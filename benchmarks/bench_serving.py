@@ -7,6 +7,8 @@ for ``--output-len`` tokens (greedy).
     python benchmarks/bench_serving.py                        # CPU, built-in model, server started here
     python benchmarks/bench_serving.py --url http://host:8000 --model NAME   # an already running server
     python benchmarks/bench_serving.py --dry-run              # a few tiny requests: checks the script
+    python benchmarks/bench_serving.py --model llama8b-random --device cuda   # LLaMA-3.1-8B shapes, random bf16
+                                                              # weights, a synthetic word-per-id tokenizer
 
 Reported: time to first token (TTFT), inter-token latency (ITL: gaps between streamed chunks after the
 first) and end-to-end latency, p50 / p99 / mean; request and output-token throughput over the run.
@@ -76,13 +78,37 @@ async def run(url: str, model: str, args) -> dict:
             "itl_s": _stats([g for r in records for g in r["itl"]]), "e2e_s": _stats([r["e2e"] for r in records])}
 
 
+RANDOM_8B = "llama8b-random"
+
+
+def _random_8b(device: str):
+    """LLaMA-3.1-8B shapes with random bf16 weights (``bench_e2e``'s) and a synthetic tokenizer that maps
+    id ``i`` to the word ``w<i>`` (the prompts are token ids; only the streamed text needs a decoder)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from bench_e2e import LLAMA_8B, build_model
+
+    model = build_model(LLAMA_8B, torch.bfloat16, device)
+    vocab = {f"w{i}": i for i in range(LLAMA_8B["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return model, PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w1", unk_token="w0")
+
+
 def _start_server(args):
     import uvicorn
 
     from macattn.apps.llm import LLM
     from macattn.apps.openai_server import build_app
 
-    llm = LLM(args.model, device=args.device, max_batch_size=args.max_batch_size)
+    if args.model == RANDOM_8B:
+        model, tok = _random_8b(args.device)
+        llm = LLM(model, tokenizer=tok, device=args.device, max_batch_size=args.max_batch_size,
+                  max_seq_len=args.input_len + args.output_len + 16)
+    else:
+        llm = LLM(args.model, device=args.device, max_batch_size=args.max_batch_size)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -97,7 +123,7 @@ def _start_server(args):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=None, help="a running server (default: start one here on --model)")
-    ap.add_argument("--model", default="builtin")
+    ap.add_argument("--model", default="builtin", help=f"'builtin', a model directory or '{RANDOM_8B}'")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-batch-size", type=int, default=8)
     ap.add_argument("--num-prompts", type=int, default=32)

@@ -32,7 +32,7 @@ class MacAttention(AttentionMethod):
     Static settings (set before running, never per step): ``record_error`` — every decode step
     also computes full attention and keeps ``||mac - full|| / ||full||`` per layer in
     ``layer_errors`` (diagnostics only); ``collect_diagnostics`` — hit / skip / gap per layer
-    and head into ``state.diagnostics`` (the runtime's GPU decode records them after the step).
+    and head into ``state.diagnostics`` (the runtime's GPU decode accumulates them inside its captured step).
     Outputs of the latest decode call: ``last_match_pos[layer]`` ``[B, Hq]`` int64 (-1 miss; a
     mapping of layer to tensor).
     Without a runtime (``StepContext.slots`` None, plain ``model.generate``) a fresh prompt takes
