@@ -106,9 +106,10 @@ def _start_server(args):
     if args.model == RANDOM_8B:
         model, tok = _random_8b(args.device)
         llm = LLM(model, tokenizer=tok, device=args.device, max_batch_size=args.max_batch_size,
-                  max_seq_len=args.input_len + args.output_len + 16)
+                  max_seq_len=args.input_len + args.output_len + 16, prefill_chunk=args.prefill_chunk)
     else:
-        llm = LLM(args.model, device=args.device, max_batch_size=args.max_batch_size)
+        llm = LLM(args.model, device=args.device, max_batch_size=args.max_batch_size,
+                  prefill_chunk=args.prefill_chunk)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -133,6 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=8000, help="token ids are drawn from [300, vocab)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="RuntimeConfig.prefill_chunk (default: whole prompts)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)

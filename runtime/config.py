@@ -37,6 +37,10 @@ class RuntimeConfig:
         transformers forward (FastMKA-patched models always run their transformers forward).
     quantization: ``None`` or ``"fp8"`` (weight-only E4M3 projections, one scale per output
         channel, quantised at load; needs ``fused_weights``).
+    prefill_chunk: prompt tokens prefilled per engine step at most, across requests (chunked
+        prefill between decode steps, so a long prompt does not stall the running streams); ``None``
+        = each admitted prompt whole in the step that admits it. Methods that build a request's KV
+        their own way (retrieval-completion, A3's chunked prompts) prefill whole prompts.
     """
 
     max_batch_size: int = 8
@@ -47,12 +51,14 @@ class RuntimeConfig:
     use_cuda_graphs: bool = False
     fused_weights: bool = True
     quantization: str | None = None
+    prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int("max_batch_size", self.max_batch_size)
         _positive_int("max_seq_len", self.max_seq_len, allow_none=True)
         _positive_int("block_size", self.block_size)
         _positive_int("num_blocks", self.num_blocks, allow_none=True)
+        _positive_int("prefill_chunk", self.prefill_chunk, allow_none=True)
         for name in ("use_cuda_graphs", "fused_weights"):
             check_bool(name, getattr(self, name))
         check_choice("quantization", self.quantization, QUANTIZATIONS)

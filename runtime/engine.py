@@ -169,16 +169,24 @@ class LLMEngine:
 
     # --- one step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Decode every running request that has a token, then prefill new admissions."""
+        """Decode every running request that has a token, then prefill: new admissions whole, or with
+        ``RuntimeConfig.prefill_chunk`` at most that many prompt tokens across the requests being
+        prefilled (admission order); a request's first token comes with its prompt's last chunk."""
         outputs: list[StepOutput] = []
         batch = self.scheduler.decode_batch()
         if batch:
             tokens, logits = self.executor.decode_step(batch)
             for seq, token, row in zip(batch, tokens, logits):
                 outputs.append(self._append(seq, token, row))
-        for seq in self.scheduler.admit():
-            logits = self.executor.prefill(seq)
-            outputs.append(self._append(seq, self.executor.sample([seq], logits[None])[0], logits))
+        self.scheduler.admit()
+        budget = self.config.prefill_chunk
+        for seq in self.scheduler.prefilling():
+            if budget is not None and budget <= 0:
+                break
+            logits, used = self.executor.prefill_part(seq, budget)
+            budget = None if budget is None else budget - used
+            if logits is not None:
+                outputs.append(self._append(seq, self.executor.sample([seq], logits[None])[0], logits))
         return outputs
 
     def _append(self, seq: Sequence, token: int, logits: torch.Tensor) -> StepOutput:

@@ -105,6 +105,34 @@ class ModelExecutor:
         """Context manager: the model calls inside it run with these state rows / positions / plans."""
         return self.binding.step(StepContext(slots=slots, positions=positions, paged=paged))
 
+    def prefill_part(self, seq: Sequence, max_tokens: int | None) -> tuple[torch.Tensor | None, int]:
+        """Prefill the next part of ``seq``'s prompt, ``max_tokens`` at most (None: the rest; a part has at
+        least two tokens, so fewer prefill nothing now, and leaves no one-token rest, taking one token
+        over ``max_tokens`` where it cannot stop one short). Returns ``(last position's logits [V] once the
+        prompt is complete else None, tokens prefilled)``.
+        Only a prompt over the paged KV pool without A3 chunks is prefilled in parts; any other
+        prompt is prefilled whole whatever ``max_tokens`` says."""
+        L = len(seq.prompt)
+        start = seq.num_prefilled
+        if max_tokens is None or not self.paged_kv or seq.rag is not None or (start == 0 and max_tokens >= L):
+            logits = self.prefill(seq)
+            seq.num_prefilled = L
+            return logits, L - start
+        # a one-token model call is a decode step to every method: a part has >= 2 tokens, and
+        # never leaves a one-token rest
+        if max_tokens < 2 or start >= L:
+            return None, 0
+        end = min(L, start + max_tokens)
+        if L - end == 1:
+            end = end - 1 if end - start >= 3 else L      # L, one token over the budget, at most
+        if start == 0:
+            logits = self._prefill_head(seq, end)
+        else:
+            logits = PrefillIO(self, seq).continue_prefill(torch.tensor(seq.prompt[start:end], dtype=torch.int64),
+                                                           start)
+        seq.num_prefilled = end
+        return (logits if end == L else None), end - start
+
     def prefill(self, seq: Sequence) -> torch.Tensor:
         """Prefill ``seq``: A3's ``prefill_request`` when it carries a chunked prompt (``seq.rag``),
         else ``prefill_plain``."""
@@ -120,13 +148,20 @@ class ModelExecutor:
         """Run ``seq.prompt`` (positions ``0 .. L-1``), write its K/V, seed its state.
         Returns the last position's logits ``[V]``."""
         L = len(seq.prompt)
-        ids = torch.tensor([seq.prompt], dtype=torch.int64, device=self.device)
-        pos = torch.arange(L, device=self.device).unsqueeze(0)
         if not self.paged_kv:
+            ids = torch.tensor([seq.prompt], dtype=torch.int64, device=self.device)
             with self.step(slots=torch.tensor([seq.slot], dtype=torch.int64)):
-                return self.run_model(ids, pos)[0]
-        mask = torch.ones(L, L, dtype=torch.bool, device=self.device).tril().view(1, 1, L, L)
-        view = PrefillView(self.kv, self.blocks.rows(seq, 0, L))
+                return self.run_model(ids, torch.arange(L, device=self.device).unsqueeze(0))[0]
+        return self._prefill_head(seq, L)
+
+    @torch.inference_mode()
+    def _prefill_head(self, seq: Sequence, n: int) -> torch.Tensor:
+        """The first ``n`` prompt tokens of a fresh request over the paged pool (K/V written, state
+        seeded): logits ``[V]`` of position ``n - 1``."""
+        ids = torch.tensor([seq.prompt[:n]], dtype=torch.int64, device=self.device)
+        pos = torch.arange(n, device=self.device).unsqueeze(0)
+        mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril().view(1, 1, n, n)
+        view = PrefillView(self.kv, self.blocks.rows(seq, 0, n))
         with self.step(slots=torch.tensor([seq.slot], dtype=torch.int64)):
             return self.run_model(ids, pos, mask, view)[0]
 

@@ -42,6 +42,10 @@ class Scheduler:
         """Running requests with at least one generated token (their next step is a decode)."""
         return [s for s in self.running if s.prefilled]
 
+    def prefilling(self) -> list[Sequence]:
+        """Running requests whose prompt is not prefilled yet (admission order)."""
+        return [s for s in self.running if not s.prefilled]
+
     def admit(self) -> list[Sequence]:
         """Move waiting requests (FIFO) into the running set while a slot and blocks are free."""
         admitted = []

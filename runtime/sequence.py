@@ -39,6 +39,7 @@ class Sequence:
     rag: tuple | None = field(default=None, repr=False)
     # the attention method's figures of this request, set when it finishes (``request_metrics``)
     metrics: dict = field(default_factory=dict)
+    num_prefilled: int = 0                    # prompt tokens whose KV is written (chunked prefill)
 
     @property
     def num_tokens(self) -> int:

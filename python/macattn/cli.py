@@ -69,7 +69,7 @@ def _serve_openai(args) -> int:
     from macattn.apps.openai_server import build_app
 
     with LLM(args.model, device=args.device, max_batch_size=args.max_batch_size,
-             mac="off" if args.no_mac else None) as llm:
+             mac="off" if args.no_mac else None, prefill_chunk=args.prefill_chunk) as llm:
         name = args.served_model_name or ("builtin" if args.model == "builtin" else str(args.model))
         # uvicorn stops on SIGINT / SIGTERM (no new connections, in-flight requests get the grace period),
         # then re-raises the signal under the handlers it found: these swallow it, so the exit status is 0
@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--device", default="cpu")
     srv.add_argument("--max-batch-size", type=int, default=8)
     srv.add_argument("--no-mac", action="store_true", help="full attention instead of MAC (OpenAI server)")
+    srv.add_argument("--prefill-chunk", type=int, default=None,
+                     help="prompt tokens prefilled per engine step, between decode steps (OpenAI server; "
+                          "default: whole prompts)")
     srv.add_argument("--grace-period", type=int, default=10, help="seconds in-flight requests get on SIGTERM")
     srv.add_argument("--workdir", default=".tritonserver", help="where the backends copy and the log go")
     srv.add_argument("--address", default="127.0.0.1")

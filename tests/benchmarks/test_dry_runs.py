@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
     ("eval_two_stage_match.py", "agree exact"),
     ("bench_selectors.py", "every kernel equals its reference"),
     ("bench_serving.py", "output tok/s"),
+    ("bench_engine_steps.py", "prefill_chunk"),
 ])
 def test_benchmark_dry_run(script, expect):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--dry-run"], cwd=ROOT,

@@ -165,12 +165,13 @@ class LLM:
     model directory, or a ``*ForCausalLM`` object (then ``tokenizer`` is required). method: the
     attention method (``"mac"``, ``"full"``, …). mac: a ``MacConfig``, a per-layer file from
     ``macattn tune``, ``"off"``, or None (MAC's defaults). dtype: ``"auto"`` or a torch dtype;
-    device, max_batch_size, max_seq_len, quantization, use_cuda_graphs (None: on CUDA): the
-    runtime's (``RuntimeConfig``)."""
+    device, max_batch_size, max_seq_len, quantization, use_cuda_graphs (None: on CUDA), prefill_chunk
+    (prompt tokens per engine step; None: whole prompts): the runtime's (``RuntimeConfig``)."""
 
     def __init__(self, model: Any = "builtin", *, tokenizer: Any = None, method: str = "mac", mac: Any = None,
                  dtype: Any = "auto", device: str = "cpu", max_batch_size: int = 8, max_seq_len: int | None = None,
-                 quantization: str | None = None, use_cuda_graphs: bool | None = None) -> None:
+                 quantization: str | None = None, use_cuda_graphs: bool | None = None,
+                 prefill_chunk: int | None = None) -> None:
         self._engine_loop: _EngineLoop | None = None
         hf, tok = self._load(model, tokenizer, dtype)
         self.tokenizer = tok
@@ -182,7 +183,7 @@ class LLM:
             raise ValueError(f"mac is MAC's configuration; method={method!r} takes none")
         rc = RuntimeConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device,
                            use_cuda_graphs=device.startswith("cuda") if use_cuda_graphs is None else use_cuda_graphs,
-                           quantization=quantization)
+                           quantization=quantization, prefill_chunk=prefill_chunk)
         self.engine = LLMEngine(hf, mac_config, rc, method=method)
 
     @staticmethod
