@@ -6,6 +6,7 @@
   token) endpoints, and ``tritonclient`` gRPC streaming: the text is the tokenizer's decoding of what
   ``ModelRunner`` generates from the same engine directory (per token when streamed, as the
   postprocessing decodes each response);
+* 64 concurrent streams, each equal to its solo output;
 * ``stop_words`` end a request at the word; bad requests get a 400 naming the ensemble's field;
 * Prometheus metrics are on and count the ensemble's requests.
 """
@@ -116,8 +117,9 @@ def test_tritonclient_grpc_stream(server):
     assert got == [tok.decode([t], skip_special_tokens=True) for t in want]
 
 
-def test_64_concurrent_requests_equal_their_solo_outputs(server):
-    """64 different prompts at once through 4 slots, each against ModelRunner's solo output."""
+def test_64_concurrent_streams_equal_their_solo_outputs(server):
+    """64 different prompts streamed at once (``generate_stream``) through 4 slots, each against
+    ModelRunner's solo output decoded token by token (as the postprocessing streams it)."""
     from concurrent.futures import ThreadPoolExecutor
 
     tok, runner = server["tok"], server["runner"]
@@ -127,12 +129,18 @@ def test_64_concurrent_requests_equal_their_solo_outputs(server):
         ids = torch.tensor(tok.encode(p))
         out = runner.generate([ids], max_new_tokens=4, end_id=tok.eos_token_id, return_dict=True,
                               output_sequence_lengths=True)
-        solo[p] = tok.decode(out["output_ids"][0, 0, len(ids):int(out["sequence_lengths"][0, 0])].tolist(),
-                             skip_special_tokens=True)
+        new = out["output_ids"][0, 0, len(ids):int(out["sequence_lengths"][0, 0])].tolist()
+        solo[p] = [tok.decode([t], skip_special_tokens=True) for t in new]
+    url = f"http://{server['running'].http_url}/v2/models/ensemble/generate_stream"
+
+    def stream(p):
+        code, text = _curl(url, {"text_input": p, "max_tokens": 4, "stream": True})
+        assert code == 200, text
+        return [json.loads(ln[len("data: "):])["text_output"] for ln in text.splitlines() if ln.startswith("data: ")]
+
     with ThreadPoolExecutor(64) as pool:
-        got = list(pool.map(lambda p: _generate(server, {"text_input": p, "max_tokens": 4}), prompts))
-    assert all(code == 200 for code, _ in got)
-    assert {p: json.loads(t)["text_output"] for p, (_, t) in zip(prompts, got)} == solo
+        got = dict(zip(prompts, pool.map(stream, prompts)))
+    assert got == solo
 
 
 def test_stop_words_end_the_request_at_the_word(server):
