@@ -221,14 +221,16 @@ class Mac(EvalMethod):
 class RetrievalCompletion(EvalMethod):
     """SPEC §3 on every decode step: sink + tail + Top-k(mid) + generated exact, the rest of the
     prefill's mid region completed through ``maps`` (default: untrained random features);
-    ``completion=False`` gives the selection-only baseline."""
+    ``completion=False`` gives the selection-only baseline; ``selector`` picks the Top-k (None: the
+    exhaustive one; e.g. ``PageSummaryTopK``, the page selector)."""
 
     def __init__(self, config: MissCompletionConfig | None = None, *, maps: CompletionFeatureMaps | None = None,
-                 completion: bool = True, gen_len: int = 64, name: str | None = None) -> None:
+                 completion: bool = True, gen_len: int = 64, name: str | None = None, selector=None) -> None:
         self.config = config or MissCompletionConfig()
         self.maps = maps
         self.use_completion = completion
         self.gen_len = gen_len
+        self.selector = selector
         self.caches: dict[int, tuple] = {}
         c = self.config
         self.name = name or (f"{'retrieval-completion' if completion else 'selection-only'}"
@@ -250,7 +252,8 @@ class RetrievalCompletion(EvalMethod):
         lpk_all = torch.cat([lpk, lpk.new_zeros(*lpk.shape[:2], pad, lpk.shape[3])], dim=2)  # generated rows unread
         comp = (self.maps.log_phi_q(layer, q).float(), lpk_all, a, b, shift) if self.use_completion else None
         out, parts = hybrid_decode_step(q, key, value, positions + 1, n, n_sink=c.n_sink, n_tail=c.n_tail,
-                                        top_k=c.top_k, scale=scale, completion=comp, return_parts=True)
+                                        top_k=c.top_k, scale=scale, completion=comp, return_parts=True,
+                                        selector=self.selector)
         read = torch.empty(q.shape[:2], dtype=torch.float64)
         for i in range(q.shape[0]):
             pt = partition(int(n[i]), int(positions[i]) + 1, n_sink=c.n_sink, n_tail=c.n_tail)
