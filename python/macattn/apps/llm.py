@@ -338,11 +338,26 @@ class RequestHandle:
     def __init__(self, loop: "_EngineLoop", request_id: int) -> None:
         self._loop, self.request_id = loop, request_id
         self._updates: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._waker: tuple | None = None          # (event loop, asyncio.Event) of an ``async for``
         self._final: RequestOutput | None = None
         self._error: BaseException | None = None
 
     def _push(self, snapshot: RequestOutput | BaseException) -> None:
-        self._updates.put(snapshot)
+        """From the engine thread: queue ``snapshot`` and wake an ``async for`` reader if one waits."""
+        with self._lock:
+            self._updates.put(snapshot)
+            waker = self._waker
+        if waker is not None:
+            waker[0].call_soon_threadsafe(waker[1].set)
+
+    def _take(self, item) -> RequestOutput:
+        if isinstance(item, BaseException):
+            self._error = item
+            raise item
+        if item.finished:
+            self._final = item
+        return item
 
     def _next(self, timeout: float | None = None) -> RequestOutput | None:
         """The next snapshot, or None once the final one was handed out."""
@@ -350,13 +365,7 @@ class RequestHandle:
             if self._error is not None:
                 raise self._error
             return None
-        item = self._updates.get(timeout=timeout)
-        if isinstance(item, BaseException):
-            self._error = item
-            raise item
-        if item.finished:
-            self._final = item
-        return item
+        return self._take(self._updates.get(timeout=timeout))
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         while self._final is None:
@@ -369,8 +378,26 @@ class RequestHandle:
             yield item
 
     async def __aiter__(self):
-        while (item := await asyncio.to_thread(self._next)) is not None:
-            yield item
+        # woken from the engine thread through the event loop: no worker thread is held per stream
+        # (``asyncio.to_thread`` per token would queue streams behind the executor's few threads)
+        wake = asyncio.Event()
+        with self._lock:
+            self._waker = (asyncio.get_running_loop(), wake)
+        try:
+            while self._final is None and self._error is None:
+                try:
+                    item = self._updates.get_nowait()
+                except queue.Empty:
+                    wake.clear()
+                    if self._updates.empty():
+                        await wake.wait()
+                    continue
+                yield self._take(item)
+            if self._error is not None:
+                raise self._error
+        finally:
+            with self._lock:
+                self._waker = None
 
     def abort(self) -> None:
         self._loop.abort(self.request_id)
