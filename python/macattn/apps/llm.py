@@ -26,6 +26,7 @@ import math
 import queue
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -412,12 +413,27 @@ class _EngineLoop:
         self.cv = threading.Condition()
         self.live: dict[int, tuple] = {}          # request_id -> (handle, seq, sp, out, token times, start)
         self.stopped = False
+        self._waiters = 0                         # callers waiting for ``cv`` (the loop then steps aside)
+        self._waiters_lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="macattn-engine-loop", daemon=True)
         self.thread.start()
 
+    @contextmanager
+    def _turn(self):
+        """``cv``'s lock for a caller: a lock is not fair, and the loop re-takes it right after each step,
+        so the loop yields it while someone waits (else an abort could wait for a long generation)."""
+        with self._waiters_lock:
+            self._waiters += 1
+        try:
+            with self.cv:
+                yield
+        finally:
+            with self._waiters_lock:
+                self._waiters -= 1
+
     def submit(self, seq, sp: SamplingParams, out: RequestOutput) -> RequestHandle:
         handle = RequestHandle(self, seq.request_id)
-        with self.cv:
+        with self._turn():
             if self.stopped:
                 raise RuntimeError("the LLM was shut down")
             self.engine.submit(seq)
@@ -426,7 +442,7 @@ class _EngineLoop:
         return handle
 
     def abort(self, request_id: int) -> None:
-        with self.cv:
+        with self._turn():
             entry = self.live.pop(request_id, None)
             self.engine.abort(request_id)
             self.engine.requests.pop(request_id, None)
@@ -436,7 +452,7 @@ class _EngineLoop:
             entry[0]._push(_snapshot(entry[3]))
 
     def stop(self) -> None:
-        with self.cv:
+        with self._turn():
             self.stopped = True
             self.cv.notify()
         self.thread.join()
@@ -458,6 +474,8 @@ class _EngineLoop:
                         self.engine.requests.pop(rid, None)
                         handle._push(exc)
                     self.live.clear()
+            while self._waiters and not self.stopped:      # let waiting callers take the lock first
+                time.sleep(0.0005)
 
     def _step(self) -> None:
         for step in self.engine.step():
