@@ -12,6 +12,7 @@
 """
 import json
 import queue
+import shutil
 import subprocess
 import urllib.request
 from functools import partial
@@ -29,7 +30,9 @@ from macattn.runtime import ModelRunner, write_engine_dir  # noqa: E402
 from macattn.runtime.triton_repo import write_model_repository  # noqa: E402
 from macattn.runtime.triton_server import serve  # noqa: E402
 
-from test_triton_server import pytestmark  # noqa: E402,F401  (skips where the bundled server cannot run)
+from test_triton_server import pytestmark as _server_marks  # noqa: E402  (skips where the bundled server cannot run)
+
+pytestmark = [_server_marks, pytest.mark.skipif(shutil.which("curl") is None, reason="needs the curl command")]
 
 NEW = 12
 MAC = MacConfig(window=64, band=16, tau=0.3)
