@@ -33,13 +33,12 @@ import torch
 from macattn.methods.mac.backend import MacAttention
 from macattn.methods.mac.match_sketch import sketch_dims, sketch_dtype, sketch_projection_of
 from macattn.runtime.kv_cache import PagedWriteView
-from macattn.runtime.sampling import SamplingBatch, SamplingParams, sample_tokens
+from macattn.runtime.sampling import PAD_ROW, SamplingBatch, sample_tokens
 from macattn.runtime.step_inputs import StepInputs
 
 __all__ = ["DecodeBucket", "CudaDecoder"]
 
 FULL_PLAN = "full"   # the plan key of the full-attention method (an attend-only plan)
-_GREEDY = SamplingParams()   # what padding rows sample with
 _UNSET = object()            # a page-table row not written yet
 
 
@@ -68,31 +67,48 @@ def plan_key(params) -> tuple:
 
 @dataclass
 class DecodeBucket:
-    """Static tensors of one batch bucket (``nb`` rows, on the model's device).
+    """One batch bucket (``nb`` rows, on the model's device).
 
-    ids ``[nb, 1]`` int64, positions ``[nb]`` int64, slots ``[nb]`` int64, sampling: the rows'
-    ``SamplingBatch``. Over the paged pool only (else None): page_table ``[nb, max_pages]``
-    int32, write_rows ``[nb]`` int64 (flat pool row of position ``m``), mask ``[nb, 1, 1, 1]``
-    bool (all true: the op masks by position). plans: layer params -> ``MacDecodePlan``. match_pos: layer -> ``[nb, Hq]``
-    int64 written each step. graphs / outputs: per variant (``step_key``), the captured
-    step and its ``(tokens [nb], logits [nb, V])``.
+    inputs: the ``StepInputs`` the step's static tensors are views of — ids ``[nb, 1]``,
+    positions / slots ``[nb]`` int64, the rows' ``SamplingBatch``, and over the paged pool
+    page_table ``[nb, max_pages]`` int32 and write_rows ``[nb]`` int64 (flat pool row of position
+    ``m``); table_rows: the (request, block count) each page-table row holds. mask ``[nb, 1, 1, 1]``
+    bool (paged pool only; all true: the op masks by position). plans: layer params ->
+    ``MacDecodePlan``. match_pos: layer -> ``[nb, Hq]`` int64 written each step; diag_index: its
+    layers and their bands on the device (diagnostics). graphs / outputs: per variant
+    (``step_key``), the captured step and its ``(tokens [nb], logits [nb, V])``.
     """
 
     nb: int
-    ids: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
+    inputs: StepInputs
     sampling: SamplingBatch
-    page_table: torch.Tensor | None = None
-    write_rows: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    table_rows: list = field(default_factory=list)
     plans: dict = field(default_factory=dict)
     match_pos: dict = field(default_factory=dict)
     diag_index: tuple | None = None
-    inputs: StepInputs | None = None
-    table_rows: list = field(default_factory=list)
     graphs: dict = field(default_factory=dict)
     outputs: dict = field(default_factory=dict)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.inputs.device["ids"]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.inputs.device["positions"]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self.inputs.device["slots"]
+
+    @property
+    def page_table(self) -> torch.Tensor | None:
+        return self.inputs.device.get("page_table")
+
+    @property
+    def write_rows(self) -> torch.Tensor | None:
+        return self.inputs.device.get("write_rows")
 
     def attend_full(self, q, k_pages, v_pages, positions):
         """Full attention over ``[0, m]`` of every request (the full-attention method)."""
@@ -145,14 +161,10 @@ class CudaDecoder:
         ex, dev = self.ex, self.ex.device
         hf = ex.model.config
         inputs = StepInputs(nb, max_pages=self.max_pages, paged=self.paged_kv, device=dev)
-        d = inputs.device
-        b = DecodeBucket(nb=nb, ids=d["ids"], positions=d["positions"], slots=d["slots"], sampling=inputs.sampling(),
-                         inputs=inputs)
+        b = DecodeBucket(nb=nb, inputs=inputs, sampling=inputs.sampling())
         if self.paged_kv:
-            b.page_table, b.write_rows = d["page_table"], d["write_rows"]
             b.mask = torch.ones(nb, 1, 1, 1, dtype=torch.bool, device=dev)
             b.table_rows = [_UNSET] * nb
-        self._write_inputs(b, [])
         if not self.paged_kv:
             return b
         def plan(window: int, band: int, tau: float | None, match: str = "exact", sketch_kind=None,
@@ -223,7 +235,7 @@ class CudaDecoder:
         h["slots"][n:] = ex.scratch_slot
         h["valid"][:n] = 1.0
         h["valid"][n:] = 0.0
-        rows = ex.sampling_rows(seqs) + [(_GREEDY, 0, 0)] * (b.nb - n)
+        rows = ex.sampling_rows(seqs) + [PAD_ROW] * (b.nb - n)
         h["temperature"][:] = [p.temperature for p, _, _ in rows]
         h["top_k"][:] = [p.top_k for p, _, _ in rows]
         h["top_p"][:] = [p.top_p for p, _, _ in rows]

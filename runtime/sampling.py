@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "SamplingBatch", "sample_tokens"]
+__all__ = ["SamplingParams", "SamplingBatch", "PAD_ROW", "sample_tokens"]
 
 
 def _is_int(x) -> bool:
@@ -77,6 +77,9 @@ class SamplingParams:
         return self.random_seed if self.random_seed is not None else secrets.randbits(62)
 
 
+PAD_ROW = (SamplingParams(), 0, 0)   # a padding row's (params, seed, position): greedy
+
+
 @dataclass(frozen=True)
 class SamplingBatch:
     """One step's per-row sampling inputs, ``[B]`` tensors on the logits' device: temperature fp32,
@@ -90,10 +93,9 @@ class SamplingBatch:
 
     @staticmethod
     def of(rows: list[tuple[SamplingParams, int, int]], device, pad_to: int | None = None) -> "SamplingBatch":
-        """``rows``: ``(params, seed, position)`` per request; padded (greedy rows) to ``pad_to``."""
+        """``rows``: ``(params, seed, position)`` per request; padded (``PAD_ROW``) to ``pad_to``."""
         n = len(rows) if pad_to is None else pad_to
-        greedy = (SamplingParams(), 0, 0)
-        rows = list(rows) + [greedy] * (n - len(rows))
+        rows = list(rows) + [PAD_ROW] * (n - len(rows))
         cols = list(zip(*[(p.temperature, p.top_k, p.top_p, s, pos) for p, s, pos in rows])) or [()] * 5
         dtypes = (torch.float32, torch.int64, torch.float32, torch.int64, torch.int64)
         return SamplingBatch(*(torch.tensor(c, dtype=dt).to(device, non_blocking=True) for c, dt in zip(cols, dtypes)))

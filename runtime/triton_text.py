@@ -107,7 +107,7 @@ class TextStage:
             raise ValueError(f"{label} must hold exactly one value, got {arr.size}")
         return cast(arr[0].item())
 
-    def _strings(self, request, name, label) -> list[str]:
+    def _strings(self, request, name) -> list[str]:
         arr = self._get(request, name)
         if arr is None:
             return []
@@ -137,7 +137,7 @@ class TextStage:
         pad_id = self._scalar(request, "PAD_ID", "pad_id", int)
         pad_id = (self.tok.pad_token_id if self.tok.pad_token_id is not None else end_id) if pad_id is None else pad_id
         stream = self._scalar(request, "STREAM", "stream", bool)
-        words = {key: [self.tok.encode(w, add_special_tokens=False) for w in self._strings(request, name, key)]
+        words = {key: [self.tok.encode(w, add_special_tokens=False) for w in self._strings(request, name)]
                  for key, name in (("stop_words", "STOP_WORDS_DICT"), ("bad_words", "BAD_WORDS_DICT"))}
         return [pb.Tensor("INPUT_ID", np.asarray(ids, dtype=np.int64)),
                 pb.Tensor("REQUEST_OUTPUT_LEN", np.asarray([max_tokens], dtype=np.int32)),

@@ -141,12 +141,7 @@ class CompletionAttention(AttentionMethod):
         which the op clamps to each row's mid region)."""
         st, cfg = self.state, self.config
         S = st.num_slots
-        if cfg.top_k is not None:
-            groups = [(cfg.top_k, None)]
-        else:
-            ks = [self._k_of(s) for s in slots.tolist()]
-            groups = [(k, torch.tensor([i for i, kk in enumerate(ks) if kk == k], device=q.device))
-                      for k in sorted(set(ks))]
+        groups = [(cfg.top_k, None)] if cfg.top_k is not None else self._k_groups(slots)
         out = torch.empty_like(q)
         for k, idx in groups:
             sl, qs, lq, ln = (slots, q, lpq, seq_lens) if idx is None else (slots[idx], q[idx], lpq[idx], seq_lens[idx])
@@ -173,9 +168,7 @@ class CompletionAttention(AttentionMethod):
         width = int(seq_lens.max())
         npf = st.n_prefill[slots]
         out = torch.empty_like(q)
-        ks = [self._k_of(s) for s in slots.tolist()]
-        for k in sorted(set(ks)):   # one call per distinct Top-k (differs per row only with a budget fraction)
-            idx = torch.tensor([i for i, kk in enumerate(ks) if kk == k], dtype=torch.int64, device=q.device)
+        for k, idx in self._k_groups(slots):
             sl = slots[idx]
             args = (q[idx], st.k[layer][sl, :, :width], st.v[layer][sl, :, :width], seq_lens[idx], npf[idx],
                     lpq[idx], st.log_phi_k[layer][sl, :, :width], st.comp_a[layer][sl], st.comp_b[layer][sl],
@@ -186,6 +179,13 @@ class CompletionAttention(AttentionMethod):
                 out[idx] = hybrid_decode_step(*args[:5], n_sink=cfg.n_sink, n_tail=cfg.n_tail, top_k=k, scale=scale,
                                               selector=self.selector, completion=args[5:])
         return out
+
+    def _k_groups(self, slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """The batch rows grouped by their Top-k: ``(k, row indices [n] int64)`` per distinct k (rows
+        differ only with a budget fraction; reads ``slots`` on the host)."""
+        ks = [self._k_of(s) for s in slots.tolist()]
+        return [(k, torch.tensor([i for i, kk in enumerate(ks) if kk == k], dtype=torch.int64, device=slots.device))
+                for k in sorted(set(ks))]
 
     def _k_of(self, slot: int) -> int:
         """Top-k of the request in ``slot`` (from its prefill length, a host value kept at prefill)."""
