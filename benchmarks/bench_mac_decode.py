@@ -290,6 +290,13 @@ def run_point(B, ctx, args, pbar=None, fi_ok=True):
     t = time_graph(mac_step_fns(plan, sets, q_pre_attr="q_pre99"), reps_for(est_full * 0.05 + 20, n_sets))
     res["methods"]["mac_99"] = t
     tick("mac_99")
+    if B * HKV < 132:         # the one-launch persistent step (opt-in), same run and sets, where it applies
+        plan1 = make_plan(B, ctx, PAGE_SIZE, **{**args.plan_kw, "persistent": True})
+        res["methods"]["mac_hit_persistent"] = time_graph(mac_step_fns(plan1, sets), reps_for(40, n_sets))
+        res["methods"]["mac_99_persistent"] = time_graph(mac_step_fns(plan1, sets, q_pre_attr="q_pre99"),
+                                                         reps_for(est_full * 0.05 + 40, n_sets))
+        res["persistent_programs"] = plan1.persistent_programs
+        plan1 = None
     # rings must be back in the all-hit state for the stage breakdown: re-run the all-hit step once
     for s in sets:
         plan.run(s.q, s.q_pre, s.k, s.v, s.positions, s.slots, *s.ring_args(), page_table=s.page_table, check=False)
@@ -412,32 +419,38 @@ def versions() -> dict:
 
 
 def targets(results) -> list[dict]:
-    """The issue's targets, read off this run's numbers (never asserted)."""
+    """The issue's targets (MAC kernels v6), read off this run's numbers (never asserted)."""
     out = []
     by = {(r["B"], r["context"]): r for r in results}
 
     def med(r, k):
         return r["methods"].get(k, {}).get("median_us", float("nan"))
 
+    for r in results:
+        if r["B"] == 1:
+            t = med(r, "mac_hit")
+            out.append({"target": f"MAC all-hit, B=1, {r['context'] // 1024}K: <= 10 us per layer", "measured_us": t,
+                        "met": t <= 10.0, "missed_by": None if t <= 10.0 else f"{t - 10.0:.1f} us"})
     r = by.get((1, 131072))
     if r:
-        t = med(r, "mac_hit")
-        fi = med(r, "flashinfer")
-        out.append({"target": "MAC path, B=1, 128K: <= 10 us per layer", "measured_us": t, "met": t <= 10.0,
-                    "missed_by": None if t <= 10.0 else f"{t - 10.0:.1f} us ({t / 10.0:.2f}x the target)"})
-        out.append({"target": "MAC path, B=1, 128K: >= 20x FlashInfer", "measured_x": fi / t, "met": fi / t >= 20.0,
-                    "missed_by": None if fi / t >= 20.0 else f"{20.0 / (fi / t):.2f}x short"})
+        t, fi = med(r, "mac_hit"), med(r, "flashinfer")
+        out.append({"target": "MAC all-hit, B=1, 128K: >= 18x FlashInfer", "measured_x": fi / t, "met": fi / t >= 18.0})
+        t = med(r, "mac_99")
+        out.append({"target": "MAC 99 % hit, B=1, 128K: <= 30 us", "measured_us": t, "met": t <= 30.0,
+                    "missed_by": None if t <= 30.0 else f"{t - 30.0:.1f} us"})
     r = by.get((32, 131072))
     if r:
-        x = r["speedup_vs_best_peer"].get("mac_hit", float("nan"))
-        out.append({"target": "MAC path, B=32, 128K: >= 40x the best peer", "measured_x": x, "met": x >= 40.0,
-                    "best_peer_us": r["best_peer_us"], "measured_us": med(r, "mac_hit"),
-                    "missed_by": None if x >= 40.0 else
-                    f"{med(r, 'mac_hit') - r['best_peer_us'] / 40.0:.1f} us ({100 * (40.0 / x - 1):.1f}%)"})
+        best = r["best_peer_us"]
+        rows = {"exact": (med(r, "mac_hit"), r["breakdown_us"].get("match"))}
+        rows.update({k: (v["step"]["median_us"], v["match_us"]) for k, v in r.get("two_stage", {}).items()})
+        for name, (t, match_us) in rows.items():
+            out.append({"target": f"MAC all-hit, B=32, 128K ({name} match): >= 60x the best peer, match <= 30 us",
+                        "measured_x": best / t, "match_us": match_us, "best_peer_us": best,
+                        "met": best / t >= 60.0 and (match_us or float("inf")) <= 30.0})
     for r in results:
         ours, fi = med(r, "ours_full"), med(r, "flashinfer")
-        out.append({"target": f"our full path within 10% of FlashInfer, B={r['B']}, {r['context'] // 1024}K",
-                    "ratio": ours / fi, "met": ours <= 1.10 * fi})
+        out.append({"target": f"our full path within 2% of FlashInfer, B={r['B']}, {r['context'] // 1024}K",
+                    "ratio": ours / fi, "met": ours <= 1.02 * fi})
         if r["B"] >= 8:
             f = r["match_frac_of_copy_bw"]
             out.append({"target": f"match >= 70% of copy bandwidth, B={r['B']}, {r['context'] // 1024}K",
@@ -446,8 +459,10 @@ def targets(results) -> list[dict]:
 
 
 def print_table(results):
-    cols = ["mac_hit", "mac_99", "ours_full", "flashinfer", "sdpa"]
-    print("\nper-layer decode time, µs (CUDA-graph replay median); x = speedup vs best peer (FlashInfer/SDPA)")
+    cols = ["mac_hit", "mac_99", "mac_hit_persistent", "mac_99_persistent", "ours_full", "flashinfer", "sdpa"]
+    print("\nper-layer decode time, µs (CUDA-graph replay median); x = speedup vs best peer (FlashInfer/SDPA);\n"
+          "mac_hit / mac_99: the four-kernel step (default); *_persistent: the opt-in one-launch step (B * Hkv < SMs);\n"
+          "breakdown: the four kernels, each captured alone")
     print(f"{'B':>3} {'ctx':>5} " + " ".join(f"{c:>17}" for c in cols) + f" {'match TB/s':>10}  breakdown µs (match/plan/attention/merge+append)")
     for r in results:
         cells = []

@@ -25,6 +25,7 @@ from macattn.core.validation import check_int, check_tau
 
 from ._triton_util import check_cuda_or_interp, default_pdl, interpreting, next_pow2, num_sms, resident_per_sm
 from .mac_attend.kernel import AttendMeta, attend_meta, launch_attend, launch_merge, launch_plan
+from .mac_attend.persistent import PERSISTENT_PLAN_LIMIT, launch_persistent_step
 from .mac_match.kernel import MatchMeta, check_match_inputs, launch_match, match_meta
 from .mac_match.two_stage import TwoStageMeta, check_two_stage_inputs, launch_two_stage_match, two_stage_meta
 
@@ -90,6 +91,10 @@ class MacDecodePlan:
     residency: attention programs resident per SM (MAC kernel, full-path kernel); by default
     read off the compiled kernels' registers and shared memory at the first run (outside any
     graph capture), so that the work split is one wave.
+    persistent: the whole step as one persistent launch (``mac_attend/persistent.py``: match, plan,
+    attention and merge separated by grid barriers) instead of four kernels: exact match only, where
+    its register plan fits (``B * Hkv`` groups x heads per group x match splits <= PERSISTENT_PLAN_LIMIT).
+    Off by default: measured slower than the four kernels (``benchmarks/NOTES.md``).
     match_candidates: None = the exact match; a power of two = the two-stage match with that many
     candidates (``MacConfig(match="two_stage")``): ``run`` then takes the sketch ring ``sring`` (and
     ``proj`` for a projected sketch), computes the query's sketch into ``q_sketch`` and appends it to
@@ -105,7 +110,8 @@ class MacDecodePlan:
                  pdl: bool | None = None, maxnreg: int | None = None, b_items: int | None = None,
                  early_b: bool | None = None,
                  residency: tuple[int, int] | None = None, match_candidates: int | None = None,
-                 match_sketch_dims: int | None = None, match_sketch_itemsize: int = 2) -> None:
+                 match_sketch_dims: int | None = None, match_sketch_itemsize: int = 2,
+                 persistent: bool = False) -> None:
         for name, val, lo in (("batch_size", batch_size, 1), ("max_context", max_context, 1),
                               ("num_q_heads", num_q_heads, 1), ("num_kv_heads", num_kv_heads, 1),
                               ("head_dim", head_dim, 16), ("window", window, 1), ("band", band, 0),
@@ -152,6 +158,15 @@ class MacDecodePlan:
         # measured on the H100: starting part B during the plan pays once the KV groups alone cover
         # the SMs (B=32: -4 us); at B=1 the early-launched attention programs cost 3 us instead
         self.early_b = (ng >= sms) if early_b is None else bool(early_b)
+        plan_regs = next_pow2(ng) * next_pow2(hpg) * self.match.NS_P
+        fits = self.two_stage is None and tau is not None and plan_regs <= PERSISTENT_PLAN_LIMIT
+        if persistent and not fits:
+            raise ValueError(f"persistent=True needs the exact match (tau set, no match_candidates) and a plan of at "
+                             f"most {PERSISTENT_PLAN_LIMIT} partials (groups x heads x splits = {plan_regs}): "
+                             f"lower batch_size")
+        self.persistent = bool(persistent)
+        self.persistent_programs: int | None = None     # the grid: sized to residency at the first run
+        self.programs_per_sm = programs_per_sm
         dev, f32, i32 = self.device, torch.float32, torch.int32
         B, Hq, d = batch_size, num_q_heads, head_dim
         n_part = B * Hq * self.match.NS
@@ -173,6 +188,7 @@ class MacDecodePlan:
         self.out = torch.empty(B, Hq, d, dtype=q_dtype, device=dev)
         self.match_pos = torch.empty(B, Hq, dtype=torch.int64, device=dev)
         self.dist = torch.empty(B, Hq, dtype=f32, device=dev)
+        self.sync = torch.zeros(2, dtype=i32, device=dev)     # the persistent step's barrier counters
         self._calibrated = not self.device.type == "cuda" or residency is not None
         if residency is not None:
             self.attend.set_residency(*residency)
@@ -262,6 +278,23 @@ class MacDecodePlan:
                      match_pos=self.match_pos if match_pos is None else match_pos, slots=slots, q_pre=q_pre,
                      qring=qring, oring=oring, ring_lse=ring_lse, ring_pos=ring_pos, pdl=self.pdl)
 
+    def run_persistent(self, q, q_pre, k, v, positions, slots, qring, oring, ring_lse, ring_pos,
+                       page_table=None) -> None:
+        """The whole MAC step as one persistent launch (``mac_attend/persistent.py``); outputs as ``run``.
+
+        The first call (outside any graph capture) compiles the kernel and sizes its grid to the
+        programs resident at once (at most ``programs_per_sm`` per SM)."""
+        self._need_tau()
+        step = (self, q, q_pre, k, v, positions, slots, qring, oring, ring_lse, ring_pos, page_table)
+        if self.persistent_programs is None:
+            sms = num_sms(self.device)
+            compiled = (launch_persistent_step(*step, programs=sms, warmup=True)
+                        if self.device.type == "cuda" else None)
+            per_sm = resident_per_sm(compiled, self.attend.num_warps, self.device, default=1)
+            self.persistent_programs = sms * max(1, min(per_sm, self.programs_per_sm))
+        launch_persistent_step(*step, programs=self.persistent_programs,
+                               phases=(1, 2, 3) if interpreting() else (0,))
+
     # -- whole steps ----------------------------------------------------------------------------
     def run(self, q, q_pre, k, v, positions, slots, qring, oring, ring_lse, ring_pos, page_table=None, *,
             check: bool = True, sring=None, proj=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -283,6 +316,9 @@ class MacDecodePlan:
                                      f"{self.q_sketch.shape[2]}")
         if not self._calibrated:
             self.calibrate(q, k, v, positions, page_table)
+        if self.persistent:
+            self.run_persistent(q, q_pre, k, v, positions, slots, qring, oring, ring_lse, ring_pos, page_table)
+            return self.out, self.match_pos, self.dist
         if two:
             self.run_two_stage_match(q_pre, proj, qring, sring, ring_pos, ring_lse, slots, positions)
             self.run_plan(positions, self.match_pos)

@@ -36,7 +36,8 @@ import triton.language as tl
 from ..triton_softmax import online_softmax_finish, online_softmax_update
 from .plan import NMAX_A, plan_step
 
-__all__ = ["AttendMeta", "attend_meta", "launch_plan", "launch_attend", "launch_merge", "NMAX_A"]
+__all__ = ["AttendMeta", "attend_meta", "launch_plan", "launch_attend", "launch_merge", "NMAX_A", "attend_range",
+           "merge_head"]
 
 _LOG2E = 1.4426950408889634
 
@@ -67,27 +68,90 @@ def _plan_kernel(
 
 
 @triton.jit
-def _load_rows(part_o_ptr, part_lse_ptr, s0, s1, jh, HPG: tl.constexpr, D: tl.constexpr, MB: tl.constexpr):
-    """Rows ``[s0, min(s1, s0 + MB))`` of head ``jh``: ``(lse [MB], o [MB, D])``, empty rows masked."""
+def _load_rows(part_o_ptr, part_lse_ptr, s0, s1, jh, HPG: tl.constexpr, D: tl.constexpr, MB: tl.constexpr,
+               CG: tl.constexpr):
+    """Rows ``[s0, min(s1, s0 + MB))`` of head ``jh``: ``(lse [MB], o [MB, D])``, empty rows masked.
+    ``CG``: read past L1 (``.cg``: rows written by other programs of the same launch)."""
     dd = tl.arange(0, D)
     idx = s0 + tl.arange(0, MB)
     im = idx < s1
     rowh = idx.to(tl.int64) * HPG + jh
-    lse = tl.load(part_lse_ptr + rowh, mask=im, other=float("-inf"))
-    o = tl.load(part_o_ptr + rowh[:, None] * D + dd[None, :], mask=im[:, None], other=0.0)
+    if CG:
+        lse = tl.load(part_lse_ptr + rowh, mask=im, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_o_ptr + rowh[:, None] * D + dd[None, :], mask=im[:, None], other=0.0, cache_modifier=".cg")
+    else:
+        lse = tl.load(part_lse_ptr + rowh, mask=im, other=float("-inf"))
+        o = tl.load(part_o_ptr + rowh[:, None] * D + dd[None, :], mask=im[:, None], other=0.0)
     return lse, o
 
 
 @triton.jit
 def _fold_rest(part_o_ptr, part_lse_ptr, s0, s1, jh, M, L, acc, HPG: tl.constexpr, D: tl.constexpr,
-               MB: tl.constexpr):
+               MB: tl.constexpr, CG: tl.constexpr):
     """Fold rows ``[s0 + MB, s1)`` (the first ``MB`` rows are folded by the caller) in blocks of
     ``4 * MB`` into the running ``(M, L, acc [D])`` (online softmax over the rows' lse, base e):
     a long list (a missed head's group) takes a few wide loads, not many narrow ones."""
     for it in range(s0 + MB, s1, 4 * MB):
-        lse, o = _load_rows(part_o_ptr, part_lse_ptr, it, s1, jh, HPG, D, 4 * MB)
+        lse, o = _load_rows(part_o_ptr, part_lse_ptr, it, s1, jh, HPG, D, 4 * MB, CG)
         M, L, acc = online_softmax_update(M, L, acc, lse, o, AXIS=0, BASE2=False)
     return M, L, acc
+
+
+@triton.jit
+def attend_range(q_ptr, k_ptr, v_ptr, page_table_ptr, part_o_ptr, part_lse_ptr, row, b, kvh, t0, t1, lo_h,
+                 stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_ptb,
+                 scale_log2, HPG: tl.constexpr, HPG_M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_F32: tl.constexpr):
+    """Tokens ``[t0, t1)`` of KV head ``kvh`` of request ``b`` for the group's ``HPG`` query heads
+    (token ``t`` masked for head ``j`` below ``lo_h[j]``, ``[HPG_M]`` int64) -> partial summary
+    rows ``row * HPG + j``: ``part_o [.., D]`` fp32 and ``part_lse`` (natural log; -inf if empty)."""
+    r = tl.arange(0, HPG_M)
+    rmask = r < HPG
+    dd = tl.arange(0, D)
+    b64 = b.to(tl.int64)
+    q = tl.load(q_ptr + b64 * stride_qb + (kvh * HPG + r)[:, None] * stride_qh + dd[None, :],
+                mask=rmask[:, None], other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    if PAGED:
+        kbase = k_ptr + kvh.to(tl.int64) * stride_kh
+        vbase = v_ptr + kvh.to(tl.int64) * stride_vh
+    else:
+        kbase = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
+        vbase = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
+    m_i = tl.full([HPG_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([HPG_M], dtype=tl.float32)
+    acc = tl.zeros([HPG_M, D], dtype=tl.float32)
+    # i32 bounds (positions < 2**31): an i64 `t1` would widen the per-token index math
+    t0 = t0.to(tl.int32)
+    t1 = t1.to(tl.int32)
+    for start in range(t0, t1, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)
+        tm = t < t1
+        if PAGED:
+            page = tl.load(page_table_ptr + b64 * stride_ptb + t // PAGE_SIZE, mask=tm, other=0).to(tl.int64)
+            within = (t % PAGE_SIZE).to(tl.int64)
+            koff = page * stride_kb + within * stride_kt
+            voff = page * stride_vb + within * stride_vt
+        else:
+            koff = t.to(tl.int64) * stride_kt
+            voff = t.to(tl.int64) * stride_vt
+        k = tl.load(kbase + koff[:, None] + dd[None, :], mask=tm[:, None], other=0.0)
+        v = tl.load(vbase + voff[:, None] + dd[None, :], mask=tm[:, None], other=0.0)
+        if DOT_F32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)))
+            v = v.to(tl.float32)
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale_log2
+        valid = tm[None, :] & (t[None, :] >= lo_h[:, None])
+        s = tl.where(valid, s, float("-inf"))
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, AXIS=1, BASE2=True)
+    lse, o = online_softmax_finish(m_i, l_i, acc, BASE2=True)
+    prow = row.to(tl.int64) * HPG + r
+    tl.store(part_o_ptr + prow[:, None] * D + dd[None, :], o, mask=rmask[:, None])
+    tl.store(part_lse_ptr + prow, lse, mask=rmask)
 
 
 @triton.jit
@@ -152,51 +216,48 @@ def _attend_kernel(
         mp = tl.load(match_pos_ptr + b.to(tl.int64) * stride_mpb + kvh * HPG + r, mask=rmask, other=-1).to(tl.int64)
         lo_h = tl.where(mp >= 0, mp - band + 1, 0)
 
+    attend_range(q_ptr, k_ptr, v_ptr, page_table_ptr, part_o_ptr, part_lse_ptr, i, b, kvh, t0, t1, lo_h,
+                 stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_ptb,
+                 scale_log2, HPG, HPG_M, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_F32)
+
+
+@triton.jit
+def merge_head(part_o_ptr, part_lse_ptr, qring_ptr, oring_ptr, ring_lse_ptr, ring_pos_ptr, out_ptr,
+               b64, h64, jh, m, slot, qp, mp, a_start, na, b_start, b_end,
+               stride_ob, stride_oh, stride_qrs, stride_qrh, stride_qrk, stride_ors, stride_orh, stride_ork,
+               stride_ls, stride_lh, stride_ps, K, HPG: tl.constexpr, D: tl.constexpr, MB: tl.constexpr,
+               CG: tl.constexpr):
+    """One head's MAC merge: ``entry = cached ⊕ A-rows [a_start, a_start + na)`` (cached = ring slot
+    ``mp mod K`` on a hit ``mp >= 0``, else empty), ``out = entry ⊕ B-rows [b_start, b_end)``; writes
+    ``out`` and appends ``(qp, entry.o, entry.lse, m)`` to ring slot ``m mod K`` of row ``slot``.
+    The cached entry is read before the append writes: they are the same slot when ``p = m - K``."""
     dd = tl.arange(0, D)
-    b64 = b.to(tl.int64)
-    q = tl.load(q_ptr + b64 * stride_qb + (kvh * HPG + r)[:, None] * stride_qh + dd[None, :],
-                mask=rmask[:, None], other=0.0)
-    q = q.to(k_ptr.dtype.element_ty)
-    if DOT_F32:
-        q = q.to(tl.float32)
-    if PAGED:
-        kbase = k_ptr + kvh.to(tl.int64) * stride_kh
-        vbase = v_ptr + kvh.to(tl.int64) * stride_vh
-    else:
-        kbase = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
-        vbase = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
-    m_i = tl.full([HPG_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([HPG_M], dtype=tl.float32)
-    acc = tl.zeros([HPG_M, D], dtype=tl.float32)
-    # i32 bounds (positions < 2**31): an i64 `t1` would widen the per-token index math
-    t0 = t0.to(tl.int32)
-    t1 = t1.to(tl.int32)
-    for start in range(t0, t1, BLOCK_N):
-        t = start + tl.arange(0, BLOCK_N)
-        tm = t < t1
-        if PAGED:
-            page = tl.load(page_table_ptr + b64 * stride_ptb + t // PAGE_SIZE, mask=tm, other=0).to(tl.int64)
-            within = (t % PAGE_SIZE).to(tl.int64)
-            koff = page * stride_kb + within * stride_kt
-            voff = page * stride_vb + within * stride_vt
-        else:
-            koff = t.to(tl.int64) * stride_kt
-            voff = t.to(tl.int64) * stride_vt
-        k = tl.load(kbase + koff[:, None] + dd[None, :], mask=tm[:, None], other=0.0)
-        v = tl.load(vbase + voff[:, None] + dd[None, :], mask=tm[:, None], other=0.0)
-        if DOT_F32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)))
-            v = v.to(tl.float32)
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale_log2
-        valid = tm[None, :] & (t[None, :] >= lo_h[:, None])
-        s = tl.where(valid, s, float("-inf"))
-        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, AXIS=1, BASE2=True)
-    lse, o = online_softmax_finish(m_i, l_i, acc, BASE2=True)
-    prow = i.to(tl.int64) * HPG + r
-    tl.store(part_o_ptr + prow[:, None] * D + dd[None, :], o, mask=rmask[:, None])
-    tl.store(part_lse_ptr + prow, lse, mask=rmask)
+    # part-B rows need nothing from the plan: in flight with the plan/match lookups
+    b_lse, b_o = _load_rows(part_o_ptr, part_lse_ptr, b_start, b_end, jh, HPG, D, MB, CG)
+    hit = mp >= 0
+    col = tl.where(hit, mp % K, 0)
+    M = tl.load(ring_lse_ptr + slot * stride_ls + h64 * stride_lh + col, mask=hit, other=float("-inf"))
+    M = tl.where(hit, M, float("-inf"))
+    acc = tl.load(oring_ptr + slot * stride_ors + h64 * stride_orh + col * stride_ork + dd,
+                  mask=dd < tl.where(hit, D, 0), other=0.0).to(tl.float32)   # not `hit & ...`: Triton 3.9's interpreter
+    L = tl.where(hit, 1.0, 0.0)
+    a_lse, a_o = _load_rows(part_o_ptr, part_lse_ptr, a_start, a_start + na, jh, HPG, D, MB, CG)
+    M, L, acc = online_softmax_update(M, L, acc, a_lse, a_o, AXIS=0, BASE2=False)
+    M, L, acc = _fold_rest(part_o_ptr, part_lse_ptr, a_start, a_start + na, jh, M, L, acc, HPG, D, MB, CG)
+    e_lse, e_o = online_softmax_finish(M, L, acc, BASE2=False)
+    M, L, acc = online_softmax_update(M, L, acc, b_lse, b_o, AXIS=0, BASE2=False)
+    M, L, acc = _fold_rest(part_o_ptr, part_lse_ptr, b_start, b_end, jh, M, L, acc, HPG, D, MB, CG)
+    _, o = online_softmax_finish(M, L, acc, BASE2=False)
+    tl.store(out_ptr + b64 * stride_ob + h64 * stride_oh + dd, o.to(out_ptr.dtype.element_ty))
+    tl.debug_barrier()         # slot p mod K (read above) is slot m mod K when p = m - K: read before write
+    colm = m % K
+    tl.store(qring_ptr + slot * stride_qrs + h64 * stride_qrh + colm * stride_qrk + dd,
+             qp.to(qring_ptr.dtype.element_ty))
+    tl.store(oring_ptr + slot * stride_ors + h64 * stride_orh + colm * stride_ork + dd,
+             e_o.to(oring_ptr.dtype.element_ty))
+    tl.store(ring_lse_ptr + slot * stride_ls + h64 * stride_lh + colm, e_lse)
+    if h64 == 0:
+        tl.store(ring_pos_ptr + slot * stride_ps + colm, m.to(ring_pos_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -235,41 +296,19 @@ def _merge_kernel(
         M = tl.full([], float("-inf"), tl.float32)
         L = tl.full([], 0.0, tl.float32)
         acc = tl.zeros([D], dtype=tl.float32)
-        b_lse, b_o = _load_rows(part_o_ptr, part_lse_ptr, b_start, b_end, jh, HPG, D, MB)
+        b_lse, b_o = _load_rows(part_o_ptr, part_lse_ptr, b_start, b_end, jh, HPG, D, MB, False)
+        M, L, acc = online_softmax_update(M, L, acc, b_lse, b_o, AXIS=0, BASE2=False)
+        M, L, acc = _fold_rest(part_o_ptr, part_lse_ptr, b_start, b_end, jh, M, L, acc, HPG, D, MB, False)
+        _, o = online_softmax_finish(M, L, acc, BASE2=False)
+        tl.store(out_ptr + b64 * stride_ob + h64 * stride_oh + dd, o.to(out_ptr.dtype.element_ty))
     else:
-        b_start = g * static_n
-        b_end = b_start + static_n
         a_start = n_static + tl.load(grp_start_ptr + g)
         na = tl.load(grp_na_ptr + g)
         mp = tl.load(match_pos_ptr + b64 * stride_mpb + h).to(tl.int64)
-        # part-B rows need nothing from the plan: in flight with the plan/match lookups
-        b_lse, b_o = _load_rows(part_o_ptr, part_lse_ptr, b_start, b_end, jh, HPG, D, MB)
-        hit = mp >= 0
-        col = tl.where(hit, mp % K, 0)
-        M = tl.load(ring_lse_ptr + slot * stride_ls + h64 * stride_lh + col, mask=hit, other=float("-inf"))
-        M = tl.where(hit, M, float("-inf"))
-        acc = tl.load(oring_ptr + slot * stride_ors + h64 * stride_orh + col * stride_ork + dd,
-                      mask=hit & (dd < D), other=0.0).to(tl.float32)
-        L = tl.where(hit, 1.0, 0.0)
-        a_lse, a_o = _load_rows(part_o_ptr, part_lse_ptr, a_start, a_start + na, jh, HPG, D, MB)
-        M, L, acc = online_softmax_update(M, L, acc, a_lse, a_o, AXIS=0, BASE2=False)
-        M, L, acc = _fold_rest(part_o_ptr, part_lse_ptr, a_start, a_start + na, jh, M, L, acc, HPG, D, MB)
-        e_lse, e_o = online_softmax_finish(M, L, acc, BASE2=False)
-    M, L, acc = online_softmax_update(M, L, acc, b_lse, b_o, AXIS=0, BASE2=False)
-    M, L, acc = _fold_rest(part_o_ptr, part_lse_ptr, b_start, b_end, jh, M, L, acc, HPG, D, MB)
-    _, o = online_softmax_finish(M, L, acc, BASE2=False)
-    tl.store(out_ptr + b64 * stride_ob + h64 * stride_oh + dd, o.to(out_ptr.dtype.element_ty))
-    if MODE != 0:
-        # slot p mod K (read above) is slot m mod K when p = m - K: read before write
-        tl.debug_barrier()
-        colm = m % K
-        tl.store(qring_ptr + slot * stride_qrs + h64 * stride_qrh + colm * stride_qrk + dd,
-                 qp.to(qring_ptr.dtype.element_ty))
-        tl.store(oring_ptr + slot * stride_ors + h64 * stride_orh + colm * stride_ork + dd,
-                 e_o.to(oring_ptr.dtype.element_ty))
-        tl.store(ring_lse_ptr + slot * stride_ls + h64 * stride_lh + colm, e_lse)
-        if h == 0:
-            tl.store(ring_pos_ptr + slot * stride_ps + colm, m.to(ring_pos_ptr.dtype.element_ty))
+        merge_head(part_o_ptr, part_lse_ptr, qring_ptr, oring_ptr, ring_lse_ptr, ring_pos_ptr, out_ptr,
+                   b64, h64, jh, m, slot, qp, mp, a_start, na, g * static_n, g * static_n + static_n,
+                   stride_ob, stride_oh, stride_qrs, stride_qrh, stride_qrk, stride_ors, stride_orh, stride_ork,
+                   stride_ls, stride_lh, stride_ps, K, HPG, D, MB, False)
 
 
 class AttendMeta:

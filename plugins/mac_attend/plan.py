@@ -17,9 +17,27 @@ import triton.language as tl
 
 from ..mac_match.reduce import reduce_match_partials
 
-__all__ = ["plan_step", "NMAX_A"]
+__all__ = ["plan_step", "NMAX_A", "chunk_for", "size_items"]
 
 NMAX_A = 512          # most part-A items of one group (bounds the merge's loop)
+
+
+@triton.jit
+def chunk_for(w, g_target, MIN_CHUNK: tl.constexpr):
+    """Part-A chunk for a total span ``w`` (int64) over about ``g_target`` items: at least ``MIN_CHUNK``."""
+    return tl.maximum((w + g_target - 1) // g_target, MIN_CHUNK)
+
+
+@triton.jit
+def size_items(la, c, NMAX: tl.constexpr):
+    """Items per group for spans ``la`` (int64, any shape) and chunk ``c``: ``(na, chunk)``.
+
+    Nearest (not ceil) to ``la / c``, at least one for a non-empty span, at most ``NMAX``, so the
+    total stays within ``g_target + NG`` and fills about one wave; then equal items within the group."""
+    na = tl.minimum(tl.maximum((la + c // 2) // c, (la > 0).to(tl.int64)), NMAX)
+    cg = (la + tl.maximum(na, 1) - 1) // tl.maximum(na, 1)
+    na = (la + tl.maximum(cg, 1) - 1) // tl.maximum(cg, 1)
+    return na, cg
 
 
 @triton.jit
@@ -57,17 +75,13 @@ def plan_step(part_d2_ptr, part_pos_ptr, part_lse_ptr, match_pos_ptr, dist_ptr, 
         tl.store(grp_na_ptr + g, la.to(tl.int32), mask=gm)
         w += tl.sum(la, axis=0)
     tl.debug_barrier()                     # pass 2 reads what pass 1's threads wrote
-    c = tl.maximum((w + g_target - 1) // g_target, MIN_CHUNK)
+    c = chunk_for(w, g_target, MIN_CHUNK)
     carry = tl.zeros([], dtype=tl.int64)
     for g0 in range(0, NG, GB):
         g = g0 + tl.arange(0, GB)
         gm = g < NG
         la = tl.load(grp_na_ptr + g, mask=gm, other=0, cache_modifier=".cg").to(tl.int64)
-        # items per group: nearest (not ceil) to la / c, at least one, so the total stays within
-        # g_target + NG and fills about one wave; then equal items within the group
-        na = tl.minimum(tl.maximum((la + c // 2) // c, (la > 0).to(tl.int64)), NMAX)
-        cg = (la + tl.maximum(na, 1) - 1) // tl.maximum(na, 1)
-        na = (la + tl.maximum(cg, 1) - 1) // tl.maximum(cg, 1)
+        na, cg = size_items(la, c, NMAX)
         incl = tl.cumsum(na, axis=0) + carry
         tl.debug_barrier()                 # every thread has read `la` before grp_na is overwritten
         tl.store(grp_start_ptr + g, (incl - na).to(tl.int32), mask=gm)

@@ -26,26 +26,16 @@ import triton.language as tl
 from .._triton_util import check_cuda_or_interp, next_pow2
 from .reduce import reduce_all_heads
 
-__all__ = ["MatchMeta", "match_meta", "launch_match", "check_match_inputs"]
+__all__ = ["MatchMeta", "match_meta", "launch_match", "check_match_inputs", "match_split"]
 
 
 @triton.jit
-def _match_kernel(
-    q_pre_ptr, qring_ptr, ring_pos_ptr, ring_lse_ptr, slots_ptr, positions_ptr,
-    part_d2_ptr, part_pos_ptr, part_lse_ptr, counter_ptr, match_pos_ptr, dist_ptr,
-    stride_qb, stride_qh,
-    stride_rs, stride_rh, stride_rk,
-    stride_ps, stride_ls, stride_lh, stride_mpb, stride_db,
-    Hq, K, band, thr,
-    NS: tl.constexpr, KS: tl.constexpr, BLOCK_K: tl.constexpr, D: tl.constexpr, FINISH: tl.constexpr,
-    NS_P: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
-    if USE_PDL:   # programmatic dependent launch: wait for the previous kernel, then let the next one start
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+def match_split(q_pre_ptr, qring_ptr, ring_pos_ptr, ring_lse_ptr, slots_ptr, positions_ptr,
+                part_d2_ptr, part_pos_ptr, part_lse_ptr, b, h, s, stride_qb, stride_qh, stride_rs, stride_rh,
+                stride_rk, stride_ps, stride_ls, stride_lh, Hq, K,
+                NS: tl.constexpr, KS: tl.constexpr, BLOCK_K: tl.constexpr, D: tl.constexpr):
+    """Split ``s`` of head ``h`` of request ``b``: the nearest candidate among ring slots
+    ``[s*KS, (s+1)*KS)`` -> partial ``(b*Hq + h)*NS + s`` (squared distance, that slot's pos and lse)."""
     slot = tl.load(slots_ptr + b).to(tl.int64)
     m = tl.load(positions_ptr + b).to(tl.int64)
     dd = tl.arange(0, D)
@@ -76,6 +66,28 @@ def _match_kernel(
     tl.store(part_d2_ptr + out, best)
     tl.store(part_pos_ptr + out, best_pos)
     tl.store(part_lse_ptr + out, best_lse)
+
+
+@triton.jit
+def _match_kernel(
+    q_pre_ptr, qring_ptr, ring_pos_ptr, ring_lse_ptr, slots_ptr, positions_ptr,
+    part_d2_ptr, part_pos_ptr, part_lse_ptr, counter_ptr, match_pos_ptr, dist_ptr,
+    stride_qb, stride_qh,
+    stride_rs, stride_rh, stride_rk,
+    stride_ps, stride_ls, stride_lh, stride_mpb, stride_db,
+    Hq, K, band, thr,
+    NS: tl.constexpr, KS: tl.constexpr, BLOCK_K: tl.constexpr, D: tl.constexpr, FINISH: tl.constexpr,
+    NS_P: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    if USE_PDL:   # programmatic dependent launch: wait for the previous kernel, then let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    match_split(q_pre_ptr, qring_ptr, ring_pos_ptr, ring_lse_ptr, slots_ptr, positions_ptr,
+                part_d2_ptr, part_pos_ptr, part_lse_ptr, b, h, s, stride_qb, stride_qh, stride_rs, stride_rh,
+                stride_rk, stride_ps, stride_ls, stride_lh, Hq, K, NS, KS, BLOCK_K, D)
     if FINISH:
         # the last program to finish reduces every head
         tl.debug_barrier()                 # every thread's stores precede the release below

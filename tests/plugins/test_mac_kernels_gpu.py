@@ -52,6 +52,8 @@ def _poison_plan(plan) -> None:
 def _run_fused(pr: Problem, page_size=None, **kw):
     plan = _plan(pr, page_size, **kw)
     _poison_plan(plan)
+    if plan.persistent:
+        plan.sync.fill_(0)
     before = pr.rings()
     rings = pr.rings()
     if page_size is None:
@@ -61,6 +63,8 @@ def _run_fused(pr: Problem, page_size=None, **kw):
     out, mp, dist = plan.run(pr.q, pr.q_pre, k, v, pr.positions, pr.slots, *rings, page_table=table)
     _check_match(pr, mp, dist)
     _check_step(pr, out, mp, rings, before)
+    if plan.persistent:     # the last program out leaves the barrier counters at zero for the next launch
+        assert plan.sync.tolist() == [0, 0]
     return plan, mp
 
 
@@ -77,6 +81,10 @@ else:
     CTX = [1500, 3001, 700, 4500]
 
 
+# the step as four kernels (match -> plan -> attention -> merge) and as one persistent launch
+STEPS = [pytest.param(False, id="four_kernels"), pytest.param(True, id="persistent")]
+
+
 def _gen():
     return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
 
@@ -89,15 +97,17 @@ def _mixed_problem(B: int, hq: int, hkv: int, d: int, positions=None) -> Problem
                    kinds=_mixed_kinds(B, hq, hkv, g), gen=g, **SMALL).to(DEVICE)
 
 
+@pytest.mark.parametrize("persistent", STEPS)
 @pytest.mark.parametrize("hq,hkv,d", GQA)
-def test_fused_step_mixed_hits_contiguous(hq, hkv, d):
-    _, mp = _run_fused(_mixed_problem(3, hq, hkv, d))
+def test_fused_step_mixed_hits_contiguous(hq, hkv, d, persistent):
+    _, mp = _run_fused(_mixed_problem(3, hq, hkv, d), persistent=persistent)
     assert bool((mp >= 0).any()) and bool((mp < 0).any())
 
 
+@pytest.mark.parametrize("persistent", STEPS)
 @pytest.mark.parametrize("page_size", [16, 32, 64])
-def test_fused_step_paged(page_size):
-    _run_fused(_mixed_problem(4, *GQA[0]), page_size=page_size)
+def test_fused_step_paged(page_size, persistent):
+    _run_fused(_mixed_problem(4, *GQA[0]), page_size=page_size, persistent=persistent)
 
 
 @pytest.mark.parametrize("b_items", [None, 1, 3])
@@ -112,7 +122,8 @@ def test_fused_step_large_batch():
     _run_fused(_mixed_problem(B, *GQA[0], positions=[CTX[i % len(CTX)] + 17 * i for i in range(B)]), page_size=16)
 
 
-def test_all_hit_and_wraparound():
+@pytest.mark.parametrize("persistent", STEPS)
+def test_all_hit_and_wraparound(persistent):
     """m >> K: rings wrapped many times, stale slots present; every head hits."""
     g = _gen()
     hq, hkv, d = GQA[0]
@@ -120,21 +131,37 @@ def test_all_hit_and_wraparound():
     positions = [7 * K + 5, 3 * K + K // 2, 11 * K - 1]
     pr = Problem(B=3, Hq=hq, Hkv=hkv, d=d, K=K, band=band, tau=0.45, positions=positions,
                  kinds=_all("hit", 3, hq), gen=g).to(DEVICE)
-    _, mp = _run_fused(pr)
+    _, mp = _run_fused(pr, persistent=persistent)
     assert bool((mp >= 0).all())
     assert bool((mp >= pr.positions.unsqueeze(1) - K).all())
 
 
-def test_all_miss():
+@pytest.mark.parametrize("persistent", STEPS)
+def test_one_missed_head_long_context(persistent):
+    """The 99 %-hit shape: one head of one group misses at a long context, so its group's part A is
+    the whole ``[0, m - r]``, cut into many items across the grid and folded by its heads' merges."""
+    g = _gen()
+    hq, hkv, d = GQA[0]
+    m = 2000 if INTERPRET else 60000
+    kinds = _all("hit", 1, hq)
+    kinds[0][int(torch.randint(0, hq, (1,), generator=g))] = "miss"
+    pr = Problem(B=1, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=[m], kinds=kinds, gen=g, **SMALL).to(DEVICE)
+    _, mp = _run_fused(pr, page_size=16, persistent=persistent)
+    assert int((mp < 0).sum()) == 1
+
+
+@pytest.mark.parametrize("persistent", STEPS)
+def test_all_miss(persistent):
     g = _gen()
     hq, hkv, d = GQA[1]
     pr = Problem(B=2, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=CTX[:2], kinds=_all("miss", 2, hq), gen=g,
                  **SMALL).to(DEVICE)
-    _, mp = _run_fused(pr)
+    _, mp = _run_fused(pr, persistent=persistent)
     assert bool((mp < 0).all())
 
 
-def test_young_requests_m_minus_r_negative():
+@pytest.mark.parametrize("persistent", STEPS)
+def test_young_requests_m_minus_r_negative(persistent):
     """``m - r < 0``: every planted match is invalid (p < r), entries are empty (lse -inf)."""
     g = _gen()
     hq, hkv, d = GQA[0]
@@ -142,11 +169,12 @@ def test_young_requests_m_minus_r_negative():
     positions = [band - 1, band // 2, 0, 3]
     pr = Problem(B=4, Hq=hq, Hkv=hkv, d=d, K=SMALL["K"], band=band, tau=0.45, positions=positions,
                  kinds=_all("young", 4, hq), gen=g).to(DEVICE)
-    plan, mp = _run_fused(pr)
+    plan, mp = _run_fused(pr, persistent=persistent)
     assert bool((mp < 0).all())
 
 
-def test_hit_at_oldest_window_slot_shares_append_slot():
+@pytest.mark.parametrize("persistent", STEPS)
+def test_hit_at_oldest_window_slot_shares_append_slot(persistent):
     """p = m - K is a legal match and lives in slot m mod K, the slot the append overwrites:
     the cached entry must be read before it is replaced."""
     g = _gen()
@@ -162,11 +190,12 @@ def test_hit_at_oldest_window_slot_shares_append_slot():
         pr.ring_pos[pr.slots[b], m % K] = m - K
         for h in range(hq):
             pr.q_pre[b, h] = (pr.qring[pr.slots[b], h, m % K].float() + 0.05 * torch.randn(d, device=DEVICE)).to(BF16)
-    _, mp = _run_fused(pr)
+    _, mp = _run_fused(pr, persistent=persistent)
     assert bool((mp == pr.positions.unsqueeze(1) - K).all())
 
 
-def test_mixed_lengths_batch_and_bf16_oring():
+@pytest.mark.parametrize("persistent", STEPS)
+def test_mixed_lengths_batch_and_bf16_oring(persistent):
     g = _gen()
     hq, hkv, d = GQA[0]
     K, band = SMALL["K"], SMALL["band"]
@@ -174,7 +203,7 @@ def test_mixed_lengths_batch_and_bf16_oring():
     B = len(positions)
     pr = Problem(B=B, Hq=hq, Hkv=hkv, d=d, K=K, band=band, tau=0.45, positions=positions,
                  kinds=_mixed_kinds(B, hq, hkv, g), oring_dtype=BF16, gen=g).to(DEVICE)
-    _run_fused(pr, page_size=16)
+    _run_fused(pr, page_size=16, persistent=persistent)
 
 
 @pytest.mark.parametrize("hq,hkv,d", GQA[:3])
@@ -214,8 +243,8 @@ def test_full_attention_path(page_size, hq, hkv, d):
 
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("early_b", [False, True])
-def test_cuda_graph_capture_and_replay(early_b):
+@pytest.mark.parametrize("early_b,persistent", [(False, False), (True, False), (False, True)])
+def test_cuda_graph_capture_and_replay(early_b, persistent):
     """A captured step replays correctly on new inputs copied into the captured buffers."""
     g = _gen()
     hq, hkv, d = GQA[0]
@@ -223,7 +252,7 @@ def test_cuda_graph_capture_and_replay(early_b):
     T = max(CTX[:B]) + 9
     pr = Problem(B=B, Hq=hq, Hkv=hkv, d=d, tau=0.45, positions=CTX[:B], T=T, kinds=_mixed_kinds(B, hq, hkv, g),
                  gen=g, **SMALL).to(DEVICE)
-    plan = _plan(pr, 16, early_b=early_b)
+    plan = _plan(pr, 16, early_b=early_b, persistent=persistent)
     k, v, table = pr.paged(16)
     static = dict(q=pr.q.clone(), q_pre=pr.q_pre.clone(), k=k.clone(), v=v.clone(), positions=pr.positions.clone(),
                   slots=pr.slots.clone(), table=table.clone())
@@ -253,6 +282,7 @@ def test_cuda_graph_capture_and_replay(early_b):
     torch.cuda.synchronize()
     _check_match(pr2, plan.match_pos, plan.dist)
     _check_step(pr2, plan.out, plan.match_pos, rings, before)
+    assert plan.sync.tolist() == [0, 0]      # the persistent step leaves its barrier counters for the next replay
 
 
 def test_plan_rejects_bad_inputs():
