@@ -258,6 +258,13 @@ def main(argv=None) -> dict:
     while True:
         elapsed = time.time() - start
         frac = elapsed / a.time_budget
+        # snapshots due are written first, also at the last step boundary (budget spent, or --stop-after):
+        # a step can be longer than the gap between two fractions on a loaded machine
+        while snapshots and frac >= snapshots[0]:
+            snap = out / "snapshots" / f"f{round(snapshots.pop(0) * 100):03d}"
+            save_checkpoint(model, snap, data_dir / "tokenizer.json")
+            (snap / "train_log.json").write_text(json.dumps(dict(step=step, tokens_seen=tokens,
+                                                                 seconds=round(elapsed, 1), config=cfg.hf_dict())))
         if frac >= 1.0 or (a.max_steps and step >= a.max_steps):
             break
         if a.stop_after and elapsed >= a.stop_after:
@@ -269,11 +276,6 @@ def main(argv=None) -> dict:
                 bar.close()
             print(f"stopped after {elapsed:.0f} s at step {step}; continue with --resume")
             return {}
-        if snapshots and frac >= snapshots[0]:
-            snap = out / "snapshots" / f"f{round(snapshots.pop(0) * 100):03d}"
-            save_checkpoint(model, snap, data_dir / "tokenizer.json")
-            (snap / "train_log.json").write_text(json.dumps(dict(step=step, tokens_seen=tokens,
-                                                                 seconds=round(elapsed, 1), config=cfg.hf_dict())))
         _, t, b = next(ph for ph in phases if frac < ph[0])
         lr = a.lr * min(1.0, (step + 1) / a.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
