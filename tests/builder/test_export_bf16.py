@@ -78,3 +78,53 @@ def test_bf16_graph_in_onnx_runtime_as_fp32_widening(bf16_engine):
     ref = ref.to(torch.bfloat16).float().eval()
     patch_model(ref, MAC_ON)
     _decode_and_compare(ref, bf16_engine / "decode.onnx", prefill_path=bf16_engine / "prefill.onnx")
+
+
+def test_graph_decoder_loop_over_the_engine_dir_graphs(bf16_engine):
+    """``runtime.plan_runner.GraphDecoder`` (the loop a ``.plan`` runs through) over ONNX Runtime step functions of
+    the same directory = the torch model's greedy decode (prefill token + 5 steps, 2 requests)."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from macattn.builder.onnx_ort import ort_session, run_session
+    from macattn.runtime.plan_runner import GraphDecoder, GraphShapes
+
+    shapes = GraphShapes.from_engine_dir(bf16_engine)
+    assert shapes.dtype == torch.bfloat16 and shapes.windows == (16,) * N
+    pre, dec = ort_session(bf16_engine / "prefill.onnx"), ort_session(bf16_engine / "decode.onnx")
+    widened = dataclasses.replace(shapes, dtype=torch.float32)         # what the fp32 widening takes
+    loop = GraphDecoder(lambda f: run_session(pre, f), lambda f: run_session(dec, f), widened, num_slots=3)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(3))
+    got = loop.generate(ids, 6)
+    ref = AutoModelForCausalLM.from_pretrained(bf16_engine / "hf", attn_implementation="sdpa")
+    ref = ref.to(torch.bfloat16).float().eval()
+    patch_model(ref, MAC_ON)
+    want = []
+    with torch.no_grad():
+        out = ref(input_ids=ids, use_cache=True)
+        pkv, tok = out.past_key_values, out.logits[:, -1].argmax(-1)
+        want.append(tok)
+        for _ in range(5):
+            out = ref(input_ids=tok.view(2, 1), past_key_values=pkv, use_cache=True)
+            tok = out.logits[:, -1].argmax(-1)
+            want.append(tok)
+    assert torch.equal(got, torch.stack(want, 1))
+    with pytest.raises(ValueError, match="batch 4 exceeds num_slots=3"):
+        loop.generate(torch.zeros(4, 5, dtype=torch.int64), 2)
+
+
+def test_plan_runner_import_guard_names_tensorrt(monkeypatch):
+    import sys
+
+    from macattn.runtime.plan_runner import TensorRTPlan, require_tensorrt_runtime
+
+    monkeypatch.setitem(sys.modules, "tensorrt", None)          # import tensorrt -> ImportError
+    with pytest.raises(ImportError, match=r"`tensorrt` Python package \(>= 10\.3"):
+        require_tensorrt_runtime()
+    with pytest.raises(ImportError, match="tensorrt"):
+        TensorRTPlan("decode.plan")
+    import types
+    monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__="10.2.0"))
+    with pytest.raises(ImportError, match=r"tensorrt >= 10\.3; found tensorrt 10\.2\.0"):
+        require_tensorrt_runtime()
