@@ -205,7 +205,7 @@ def require_trtllm_engine_backend():
     ``ImportError`` saying why: not installed, or a version without ``trtllm-build`` — TensorRT-LLM's main
     branch deleted that backend (``trtllm-build``, ``ModelRunner``, ``layers/``, ``models/``) in July 2026;
     1.2.x, the latest release on PyPI, still ships it, deprecated. The PyTorch backend's route is
-    ``macattn.builder.trtllm_pytorch`` (not written yet, see docs/tensorrt.md)."""
+    ``macattn.builder.trtllm_pytorch`` (written, never run; see docs/tensorrt.md)."""
     try:
         import tensorrt_llm
     except ImportError as exc:
