@@ -22,12 +22,18 @@ import torch
 
 from macattn.methods.mac.config import EXPORT_MATCH_MODES, MacConfig
 
-__all__ = ["build_engine_dir", "TRT_MISSING_MESSAGE", "PLUGIN_LIBRARY_ENV", "tensorrt_available"]
+__all__ = ["build_engine_dir", "TRT_MISSING_MESSAGE", "PLUGIN_LIBRARY_ENV", "tensorrt_available", "EXPORT_DTYPES",
+           "DEFAULT_EXPORT_DTYPE"]
 
 TRT_MISSING_MESSAGE = ("TensorRT not installed: wrote ONNX + manifest; build the engine on a machine with "
                        "tensorrt>=10.x")
 PLUGIN_LIBRARY_ENV = "MACATTN_TRT_PLUGIN_LIBRARY"
 FORMAT_VERSION = 1
+# dtype of the exported graphs. bf16 is the default: it is the only activation dtype of the plugins'
+# kernels (supportsFormatCombination), and TensorRT builds strongly typed (always in 11, STRONGLY_TYPED in
+# 10), so an fp32 graph would need casts TensorRT may not insert, one of them in front of each aliased ring.
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DEFAULT_EXPORT_DTYPE = "bf16"
 
 
 def tensorrt_available() -> bool:
@@ -69,12 +75,16 @@ def _load_model(family: str, hf_dir: str | Path | None, tiny: bool, seed: int):
 
 def build_engine_dir(family: str, out: str | Path, *, mac: MacConfig, hf_dir: str | Path | None = None,
                      tiny: bool = False, seed: int = 0, progress: bool = True, max_batch: int = 8,
-                     max_context: int | None = None, log=print) -> dict:
+                     max_context: int | None = None, dtype: str = DEFAULT_EXPORT_DTYPE, log=print) -> dict:
     """Write the engine directory ``out`` and return the manifest (see the module docstring).
 
     ``max_batch`` / ``max_context`` bound the TensorRT optimization profiles (context
-    defaults to the model's ``max_position_embeddings``).
+    defaults to the model's ``max_position_embeddings``). ``dtype`` (``EXPORT_DTYPES``): the graphs'
+    model dtype — weights, hidden states, K/V and ``qring`` (``oring`` / ``ring_lse`` and logits stay
+    fp32); ``hf/`` keeps the weights as loaded.
     """
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(EXPORT_DTYPES)}, got {dtype!r}")
     from tqdm.auto import tqdm
 
     from macattn.builder.export import decode_io_names, model_dims, prefill_io_names
@@ -99,6 +109,7 @@ def build_engine_dir(family: str, out: str | Path, *, mac: MacConfig, hf_dir: st
     stage(1)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out / "hf")          # before patching: config keeps the original attention
+    model = model.to(EXPORT_DTYPES[dtype])
     bar.update()
     patch_model(model, mac, num_slots=max(2, max_batch))
     stage(2)
@@ -118,7 +129,7 @@ def build_engine_dir(family: str, out: str | Path, *, mac: MacConfig, hf_dir: st
     manifest = {
         "format": "macattn-engine", "version": FORMAT_VERSION, "family": family,
         "architecture": type(model).__name__, "hf_config": json.loads(model.config.to_json_string()),
-        "mac_config": mac.to_dict(),
+        "mac_config": mac.to_dict(), "export_dtype": dtype,
         "shapes": {**dims, "windows": windows, "model_dtype": str(next(model.parameters()).dtype),
                    "dynamic_axes": ["batch", "context", "prompt", "num_slots"]},
         "ops": {"domain": DOMAIN, "domain_version": DOMAIN_VERSION,

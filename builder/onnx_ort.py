@@ -5,7 +5,15 @@ onnxruntime-extensions registers Python ops only in its own domain
 (``onnxruntime_extensions.default_opset_domain()``, ``ai.onnx.contrib``), so
 ``ort_session`` loads the model and moves the ``macattn`` nodes (and the opset import)
 into that domain in memory; the file on disk keeps domain ``macattn``. Data crosses the
-Python boundary as numpy arrays (fp32 / int64; bf16 rings are not supported here).
+Python boundary as numpy arrays (fp32 / int64).
+
+bf16 graphs (``macattn build --dtype bf16``, the default for TensorRT): ONNX Runtime's CPU provider
+(1.32) has bf16 kernels only for data movement (``Cast``, ``Concat``, ``Transpose``, ...), none for
+``MatMul``, ``Mul``, ``Add``, ``Sqrt``, ``Sigmoid``, ``ReduceMean``, ``Cos`` / ``Sin`` (checked by
+``tests/builder/test_export_bf16.py``), so ``ort_session`` runs a bf16 graph as its fp32 widening
+(``widen_bf16``): every bf16 tensor, initializer and cast target becomes fp32. Weights stored in bf16
+are exact in fp32; what differs from a bf16 engine is only the rounding of intermediate results. This is
+the fp32 reference of the bf16 graph, not bf16 execution.
 """
 from __future__ import annotations
 
@@ -18,7 +26,7 @@ import torch
 from macattn.builder.onnx_ops import DOMAIN, MAC_ATTEND, MAC_MATCH
 from macattn.builder.onnx_ops_completion import register_ort_ops_completion
 
-__all__ = ["ort_session", "run_session", "register_python_ops"]
+__all__ = ["ort_session", "run_session", "register_python_ops", "widen_bf16", "bf16_tensor_names"]
 
 _REGISTERED = False
 
@@ -61,14 +69,55 @@ def _retarget_domain(model: onnx.ModelProto, domain: str) -> None:
         model.opset_import.append(onnx.helper.make_opsetid(domain, 1))
 
 
+def bf16_tensor_names(model: onnx.ModelProto) -> list[str]:
+    """Graph inputs, outputs, value infos and initializers of ``model`` typed bfloat16 (names)."""
+    bf16 = onnx.TensorProto.BFLOAT16
+    g = model.graph
+    names = [v.name for v in (*g.input, *g.output, *g.value_info) if v.type.tensor_type.elem_type == bf16]
+    return names + [t.name for t in g.initializer if t.data_type == bf16]
+
+
+def _widen_tensor(t: onnx.TensorProto) -> onnx.TensorProto:
+    from onnx import numpy_helper
+
+    arr = numpy_helper.to_array(t).astype(np.float32)
+    out = numpy_helper.from_array(arr, t.name)
+    return out
+
+
+def widen_bf16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` with every bfloat16 tensor as float32: graph inputs / outputs / value infos,
+    initializers, ``Constant`` values and ``Cast(to=BFLOAT16)`` targets (see the module docstring)."""
+    bf16, f32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    for v in (*g.input, *g.output, *g.value_info):
+        if v.type.tensor_type.elem_type == bf16:
+            v.type.tensor_type.elem_type = f32
+    for i, t in enumerate(g.initializer):
+        if t.data_type == bf16:
+            g.initializer[i].CopyFrom(_widen_tensor(t))
+    for node in g.node:
+        for a in node.attribute:
+            if node.op_type == "Cast" and a.name == "to" and a.i == bf16:
+                a.i = f32
+            elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type == bf16:
+                a.t.CopyFrom(_widen_tensor(a.t))
+    return m
+
+
 def ort_session(path: str | Path):
-    """An ``onnxruntime.InferenceSession`` (CPU) of ``path`` with the ``macattn`` ops bound to the reference."""
+    """An ``onnxruntime.InferenceSession`` (CPU) of ``path`` with the ``macattn`` ops bound to the reference;
+    a graph holding bf16 tensors runs as its fp32 widening (``widen_bf16``)."""
     import onnxruntime as ort
     from onnxruntime_extensions import default_opset_domain, get_library_path
 
     register_python_ops()
     register_ort_ops_completion()
     model = onnx.load(str(path))
+    if bf16_tensor_names(model):
+        model = widen_bf16(model)
     _retarget_domain(model, default_opset_domain())
     opts = ort.SessionOptions()
     opts.register_custom_ops_library(get_library_path())

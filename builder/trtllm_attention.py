@@ -49,8 +49,9 @@ import numpy as np
 import torch
 
 from macattn.methods.mac.config import MacConfig
+from macattn.plugins.trt_compat import split_id
 
-__all__ = ["RING_NAMES", "STEP_INPUTS", "IOTensor", "RingIO", "MacNetworkIO", "mac_network_io", "dim_range",
+__all__ = ["create_plugin", "global_layer_index", "RING_NAMES", "STEP_INPUTS", "IOTensor", "RingIO", "MacNetworkIO", "mac_network_io", "dim_range",
            "rope_tables", "make_mac_attention"]
 
 RING_NAMES = ("qring", "oring", "ring_lse", "ring_pos")
@@ -144,10 +145,13 @@ def mac_network_io(cfg: MacConfig, num_layers: int, *, max_batch: int, num_heads
         if not p.enabled:
             continue
         K, H, d = p.window, num_heads, head_dim
-        specs = {"qring": (dtype, (H, K, d), ("heads", "window", "head_dim")),
-                 "oring": (torch.float32, (H, K, d), ("heads", "window", "head_dim")),
-                 "ring_lse": (torch.float32, (H, K), ("heads", "window")),
-                 "ring_pos": (torch.int64, (K,), ("window",))}
+        # TRT-LLM keeps one range per dimension name across the network: layers may differ (per-layer
+        # windows), so each layer's static dims carry the layer index
+        h, w, dd = f"heads.{layer}", f"window.{layer}", f"head_dim.{layer}"
+        specs = {"qring": (dtype, (H, K, d), (h, w, dd)),
+                 "oring": (torch.float32, (H, K, d), (h, w, dd)),
+                 "ring_lse": (torch.float32, (H, K), (h, w)),
+                 "ring_pos": (torch.int64, (K,), (w,))}
         for ring in RING_NAMES:
             dt, static, names = specs[ring]
             shape = (-1, *static)
@@ -194,7 +198,39 @@ def rope_tables(head_dim: int, max_positions: int, base: float, scale: float = 1
             np.concatenate([-sin, sin], axis=1).astype(np.float32))
 
 
-def make_mac_attention(base, cfg: MacConfig, creators: dict, *, max_batch: int):
+def create_plugin(trt, creator, plugin_id: str, fields: dict, *, aot: bool = True):
+    """A BUILD-phase plugin of ``plugin_id`` from ``creator`` with ``fields`` (int -> INT32, float -> FLOAT32).
+
+    The Python plugins' creators (``IPluginCreatorV3Quick``, what ``register_all`` puts in the registry) take
+    ``create_plugin(name, namespace, fields, phase, request)``; ``request`` = ``STRICT_AOT`` (``aot``) or
+    ``STRICT_JIT``: they define both impls and refuse to choose without one. A native ``IPluginCreatorV3One``
+    (``libmacattn_trt.so``) takes ``create_plugin(name, fields, phase)``. ``fields`` must be in registration
+    order (``band`` first): upstream's AOT plugin hands attributes to ``aot_impl`` positionally."""
+    namespace, name = split_id(plugin_id)
+    pf = []
+    for key, val in fields.items():
+        if isinstance(val, int):
+            pf.append(trt.PluginField(key, np.array([val], np.int32), trt.PluginFieldType.INT32))
+        else:
+            pf.append(trt.PluginField(key, np.array([val], np.float32), trt.PluginFieldType.FLOAT32))
+    fc = trt.PluginFieldCollection(pf)
+    if isinstance(creator, trt.IPluginCreatorV3Quick):
+        Q = trt.QuickPluginCreationRequest
+        return creator.create_plugin(name, namespace, fc, trt.TensorRTPhase.BUILD, Q.STRICT_AOT if aot else Q.STRICT_JIT)
+    return creator.create_plugin(name, fc, trt.TensorRTPhase.BUILD)
+
+
+def global_layer_index(local_layer_idx: int, first_layer: int) -> int:
+    """The model-wide layer index of a TRT-LLM ``Attention`` whose ``local_layer_idx`` counts from the first
+    layer ``first_layer`` of its pipeline stage (``Mapping.pp_layers(num_layers)[0]``; 0 without pipeline
+    parallelism)."""
+    for name, v in (("local_layer_idx", local_layer_idx), ("first_layer", first_layer)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+    return first_layer + local_layer_idx
+
+
+def make_mac_attention(base, cfg: MacConfig, creators: dict, *, max_batch: int, first_layer: int = 0):
     """Subclass of TRT-LLM's ``Attention`` (``base``) inserting the MAC plugins; see the module
     docstring for the graph. ``creators`` maps ``"mac::match"`` / ``"mac::attend"`` to the
     TensorRT ``IPluginCreatorV3One`` from the registry; ``max_batch`` is the build's
@@ -214,14 +250,7 @@ def make_mac_attention(base, cfg: MacConfig, creators: dict, *, max_batch: int):
     from_trt = {v: k for k, v in to_trt.items()}
 
     def _add_plugin(pid: str, fields: dict, inputs: Sequence) -> list:
-        pf = []
-        for key, val in fields.items():
-            if isinstance(val, int):
-                pf.append(trt.PluginField(key, np.array([val], np.int32), trt.PluginFieldType.INT32))
-            else:
-                pf.append(trt.PluginField(key, np.array([val], np.float32), trt.PluginFieldType.FLOAT32))
-        plugin = creators[pid].create_plugin(pid.split("::")[1], trt.PluginFieldCollection(pf),
-                                             trt.TensorRTPhase.BUILD)
+        plugin = create_plugin(trt, creators[pid], pid, fields, aot=True)
         layer = default_trtnet().add_plugin_v3([t.trt_tensor for t in inputs], [], plugin)
         return [F._create_tensor(layer.get_output(i), layer) for i in range(layer.num_outputs)]
 
@@ -255,11 +284,12 @@ def make_mac_attention(base, cfg: MacConfig, creators: dict, *, max_batch: int):
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            idx = getattr(self, "local_layer_idx", getattr(self, "layer_idx", None))
-            if idx is None:
-                idx = MacAttention._built_layers[0]
+            local = getattr(self, "local_layer_idx", getattr(self, "layer_idx", None))
+            if local is None:
+                local = MacAttention._built_layers[0]
                 MacAttention._built_layers[0] += 1
-            self.mac_layer = int(idx)
+            # local_layer_idx counts within this pipeline stage: the config is per global layer
+            self.mac_layer = global_layer_index(int(local), first_layer)
             self.mac_fields = (plugin_fields(cfg.for_layer(self.mac_layer), self.attention_head_size)
                                if cfg.for_layer(self.mac_layer).enabled else None)
 

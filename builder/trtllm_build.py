@@ -28,6 +28,8 @@ from typing import Sequence
 
 from macattn.methods.mac.config import MacConfig
 from macattn.methods.mac.flags import MAC_FLAGS, add_mac_flags, mac_config_from_args
+from macattn.plugins.trt_compat import (PLUGIN_VERSION, TensorRTVersionError, parse_version, python_id,
+                                        split_id)
 
 __all__ = ["PLUGINS", "ARCH_TO_TRTLLM", "split_args", "plugin_fields", "layer_plugin_fields", "patch_targets",
            "install_patch", "build_parser", "main"]
@@ -41,6 +43,9 @@ ARCH_TO_TRTLLM = {
     "Qwen2ForCausalLM": ("tensorrt_llm.models.qwen.model", "QWenForCausalLM", "QWenDecoderLayer"),
 }
 _OURS = ("--plugin", *MAC_FLAGS)
+MATCH_ID, ATTEND_ID = python_id("match"), python_id("attend")
+# the first TensorRT-LLM release line without the TensorRT engine backend (main deleted it in July 2026)
+TRTLLM_ENGINE_BACKEND_BEFORE = (1, 3)
 _INSTALL_HINT = ("macattn-trtllm-build needs the `tensorrt_llm` package (TensorRT-LLM): "
                  "install the `tensorrt-llm` wheel from NVIDIA's package index (see TensorRT-LLM's installation guide)")
 
@@ -92,7 +97,7 @@ def mac_config(args: argparse.Namespace) -> MacConfig:
 
 
 def plugin_fields(cfg, head_dim: int) -> dict[str, dict[str, float | int]]:
-    """Plugin attributes for one layer: ``{"mac::match": {band, tau}, "mac::attend": {band, scale}}``.
+    """Plugin attributes for one layer: ``{"mac_py::match": {band, tau}, "mac_py::attend": {band, scale}}``.
 
     Names match ``plugins/mac_match/plugin.py`` and ``plugins/mac_attend/plugin.py``; ``scale`` is
     the softmax scale ``1/sqrt(head_dim)``. ``window`` is not an attribute: it is the ring's
@@ -100,8 +105,9 @@ def plugin_fields(cfg, head_dim: int) -> dict[str, dict[str, float | int]]:
     """
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
         raise ValueError(f"head_dim must be an int >= 1, got {head_dim!r}")
-    return {"mac::match": {"band": int(cfg.band), "tau": float(cfg.tau)},
-            "mac::attend": {"band": int(cfg.band), "scale": float(head_dim) ** -0.5}}
+    # field order = the plugins' registration order: upstream's AOT plugin passes attributes positionally
+    return {MATCH_ID: {"band": int(cfg.band), "tau": float(cfg.tau)},
+            ATTEND_ID: {"band": int(cfg.band), "scale": float(head_dim) ** -0.5}}
 
 
 def layer_plugin_fields(cfg: MacConfig, num_layers: int, head_dim: int) -> list[dict | None]:
@@ -125,7 +131,7 @@ def patch_targets(architectures: Sequence[str] | None = None) -> dict[str, tuple
     return {a: ARCH_TO_TRTLLM[a] for a in architectures}
 
 
-def install_patch(cfg: MacConfig, max_batch: int) -> list[str]:
+def install_patch(cfg: MacConfig, max_batch: int, first_layer: int = 0) -> list[str]:
     """Swap ``Attention`` in the TRT-LLM decoder modules for the MAC subclass; returns patched modules.
 
     The subclass (:func:`macattn.builder.trtllm_attention.make_mac_attention`) keeps TRT-LLM's
@@ -148,12 +154,12 @@ def install_patch(cfg: MacConfig, max_batch: int) -> list[str]:
 
     register_all()
     reg = trt.get_plugin_registry()
-    creators = {pid: reg.get_creator(pid.split("::")[1], "1", pid.split("::")[0]) for pid in ("mac::match", "mac::attend")}
+    creators = {pid: reg.get_creator(split_id(pid)[1], PLUGIN_VERSION, split_id(pid)[0]) for pid in (MATCH_ID, ATTEND_ID)}
     missing = [k for k, v in creators.items() if v is None]
     if missing:
         raise RuntimeError(f"TensorRT plugin registry has no creator for {missing} after register_all()")
 
-    MacAttention = make_mac_attention(Attention, cfg, creators, max_batch=max_batch)
+    MacAttention = make_mac_attention(Attention, cfg, creators, max_batch=max_batch, first_layer=first_layer)
 
     create = trtllm_builder.Builder.create_builder_config
     if not getattr(create, "_macattn_aliased_io", False):
@@ -187,6 +193,37 @@ def _passthrough_max_batch(rest: Sequence[str]) -> int | None:
     return ours.parse_known_args(list(rest))[0].max_batch_size
 
 
+def _passthrough_int(rest: Sequence[str], flag: str) -> int | None:
+    """The int value of ``flag`` among the passthrough flags (last wins), ``None`` when absent."""
+    ours = argparse.ArgumentParser(add_help=False)
+    ours.add_argument(flag, type=int, default=None)
+    return getattr(ours.parse_known_args(list(rest))[0], flag.lstrip("-"))
+
+
+def require_trtllm_engine_backend():
+    """``tensorrt_llm.commands.build`` if this TensorRT-LLM still has its TensorRT engine backend, else
+    ``ImportError`` saying why: not installed, or a version without ``trtllm-build`` — TensorRT-LLM's main
+    branch deleted that backend (``trtllm-build``, ``ModelRunner``, ``layers/``, ``models/``) in July 2026;
+    1.2.x, the latest release on PyPI, still ships it, deprecated. The PyTorch backend's route is
+    ``macattn.builder.trtllm_pytorch`` (written, never run; see docs/tensorrt.md)."""
+    try:
+        import tensorrt_llm
+    except ImportError as exc:
+        raise ImportError(f"{_INSTALL_HINT} ({exc})") from exc
+    version = getattr(tensorrt_llm, "__version__", "0")
+    if parse_version(version)[:2] >= TRTLLM_ENGINE_BACKEND_BEFORE:
+        raise TensorRTVersionError(
+            f"macattn-trtllm-build needs TensorRT-LLM's TensorRT engine backend (trtllm-build), removed after 1.2.x; "
+            f"found tensorrt_llm {version}: install tensorrt_llm < "
+            f"{'.'.join(map(str, TRTLLM_ENGINE_BACKEND_BEFORE))} (its backend is deprecated there)")
+    try:
+        from tensorrt_llm.commands import build as trtllm_build
+    except ImportError as exc:
+        raise ImportError(f"tensorrt_llm {version} has no tensorrt_llm.commands.build (trtllm-build): its TensorRT "
+                          f"engine backend is gone; use tensorrt_llm < 1.3 ({exc})") from exc
+    return trtllm_build
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -210,10 +247,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the MAC step inputs and rings are sized by it; trtllm-build's own default differs by release
         print("error: --plugin mac needs an explicit --max_batch_size N (N >= 1)", file=sys.stderr)
         return 2
+    beams = _passthrough_int(rest, "--max_beam_width")
+    if beams is not None and beams > 1:
+        print(f"error: --max_beam_width {beams} is not supported with --plugin mac (one ring row per request; "
+              "beams would share it)", file=sys.stderr)
+        return 2
     try:
-        from tensorrt_llm.commands import build as trtllm_build
+        trtllm_build = require_trtllm_engine_backend()
     except ImportError as exc:
-        print(f"error: {_INSTALL_HINT} ({exc})", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     install_patch(cfg, max_batch)
     sys.argv = ["trtllm-build", *rest]

@@ -24,11 +24,16 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-__all__ = ["KernelSpec", "AotImage", "compile_image", "static_dim", "same_dim", "triton_ptr_type", "SM90", "HIDDEN_PARAMS",
-           "FLOATS", "check_int_attrs", "check_input_ranks", "check_dims_fit", "check_dtypes", "pow2_head_dim", "destination"]
+__all__ = ["KernelSpec", "AotImage", "compile_image", "constant_dim", "static_dim", "same_dim", "triton_ptr_type", "SM90", "HIDDEN_PARAMS",
+           "FLOATS", "AOT_TRITON_VERSION", "AOT_PTX_ISA", "check_int_attrs", "check_input_ranks", "check_dims_fit", "check_dtypes", "pow2_head_dim", "destination"]
 
 SM90 = 90
 HIDDEN_PARAMS = 2
+# The images are made with this Triton only: its kernels end in HIDDEN_PARAMS scratch pointers, and its PTX is
+# ISA 9.4 for sm_90a — a driver that JIT-compiles the PTX (what TensorRT's AOT path receives) must support PTX
+# ISA 9.4, else CUDA_ERROR_UNSUPPORTED_PTX_VERSION; the cubin needs an sm_90 GPU (H100 / H200).
+AOT_TRITON_VERSION = "3.9.0"
+AOT_PTX_ISA = "9.4"
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)   # the activations' dtypes the plugins take
 
 _PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64",
@@ -43,21 +48,37 @@ def triton_ptr_type(dtype: torch.dtype, what: str) -> str:
         raise TypeError(f"{what}: dtype {dtype} is not one of {sorted(str(d) for d in _PTR)}") from None
 
 
+def constant_dim(x: Any) -> int | None:
+    """The value of a dim known at build time, else None.
+
+    ``x``: an ``int``, or a ``tensorrt.plugin.ShapeExpr``. TensorRT first queries output dtypes with
+    *placeholder* (fake) shape expressions, whose ``is_constant`` raises ``RuntimeError``; those, and
+    expressions that are not constants, are unknown here (None)."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, bool):
+        return int(x)
+    if getattr(x, "is_fake", False):
+        return None
+    try:
+        const = x.is_constant
+        const = const() if callable(const) else const
+        return int(x.constant_value()) if const else None
+    except (RuntimeError, AttributeError):
+        return None
+
+
 def static_dim(x: Any, what: str) -> int:
-    """``x`` as an int: an int, or a TensorRT dim expression that is a build-time constant."""
-    if isinstance(x, int):
-        return x
-    if getattr(x, "is_constant", False):
-        return int(x.constant_value())
-    raise ValueError(f"{what} must be a build-time constant (static in the ONNX graph), got a dynamic dim")
+    """``x`` as an int: an int, or a TensorRT dim expression that is a build-time constant
+    (``ValueError`` naming ``what`` otherwise, placeholder expressions included)."""
+    val = constant_dim(x)
+    if val is None:
+        raise ValueError(f"{what} must be a build-time constant (static in the ONNX graph), got a dynamic dim")
+    return val
 
 
 def same_dim(a: Any, b: Any) -> bool:
     """False only when both are known and differ (dynamic dims are checked by TensorRT at run time)."""
-    try:
-        return static_dim(a, "") == static_dim(b, "")
-    except ValueError:
-        return True
+    va, vb = constant_dim(a), constant_dim(b)
+    return va is None or vb is None or va == vb
 
 
 def check_int_attrs(**attrs: Any) -> None:
@@ -171,16 +192,18 @@ class AotImage:
 
 
 @functools.lru_cache(maxsize=64)
-def _compile_cached(spec: KernelSpec, arch: int):
+def _compile_cached(kernel: Any, signature: tuple, constexprs: tuple, num_warps: int, num_stages: int, arch: int):
+    """Keyed on what the compiled code depends on only: the grid and scalar arguments are dims that may be
+    TensorRT ``ShapeExpr``s, which define ``__eq__`` without ``__hash__`` (unhashable)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    sig = {**dict(spec.signature), **{k: "constexpr" for k, _ in spec.constexprs}}
-    src = triton.compiler.ASTSource(fn=spec.kernel, signature=sig, constexprs=dict(spec.constexprs))
+    sig = {**dict(signature), **{k: "constexpr" for k, _ in constexprs}}
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=dict(constexprs))
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+                              options={"num_warps": num_warps, "num_stages": num_stages})
     if getattr(compiled.metadata, "global_scratch_size", 0) or getattr(compiled.metadata, "profile_scratch_size", 0):
-        raise RuntimeError(f"{spec.source[1]}: needs global/profile scratch, which an AOT plugin cannot provide")
+        raise RuntimeError(f"{kernel.fn.__name__}: needs global/profile scratch, which an AOT plugin cannot provide")
     return compiled
 
 
@@ -188,7 +211,12 @@ def compile_image(spec: KernelSpec, arch: int = SM90) -> AotImage:
     """Compile ``spec`` for ``sm_<arch>`` (no GPU needed: Triton's bundled ptxas)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("TRITON_INTERPRET=1: kernels are interpreted, not compiled; use KernelSpec.launch_jit")
-    compiled = _compile_cached(spec, arch)
+    import triton
+
+    if triton.__version__ != AOT_TRITON_VERSION:
+        raise RuntimeError(f"AOT images are made with triton=={AOT_TRITON_VERSION} (hidden parameters, PTX ISA "
+                           f"{AOT_PTX_ISA}); found triton {triton.__version__}")
+    compiled = _compile_cached(spec.kernel, spec.signature, spec.constexprs, spec.num_warps, spec.num_stages, arch)
     return AotImage(spec=spec, kernel_name=compiled.metadata.name, ptx=compiled.asm["ptx"],
                     cubin=compiled.asm["cubin"], block=(compiled.metadata.num_warps * 32, 1, 1),
                     shared_mem=int(compiled.metadata.shared), num_params=len(spec.signature) + HIDDEN_PARAMS,

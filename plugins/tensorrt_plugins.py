@@ -1,24 +1,32 @@
 """Register the macattn plugins with TensorRT's Python plugin API (``tensorrt.plugin``).
 
-Targets TensorRT 10.8+ (``tensorrt.plugin`` with ``register`` / ``impl`` / ``aot_impl``;
-read from the 11.4 bindings' sources). TensorRT cannot be installed in this workplace, so
-this module is the thin, import-guarded skin over plain functions tested here:
-the ``plugin.py`` of each op folder (shape/dtype inference; AOT images for the MAC ops).
+Needs TensorRT >= 10.9 (``aot_impl``, ``KernelLaunchParams`` and ``QuickPluginCreationRequest`` first ship
+in 10.9; ``require_tensorrt`` checks it). TensorRT cannot be installed in this workplace, so this module is
+the thin, import-guarded skin over plain functions tested here: the ``plugin.py`` of each op folder
+(shape/dtype inference; AOT images for the MAC ops). The tests run these definitions through upstream's
+``tensorrt.plugin`` package (from the ``tensorrt-cu12-bindings`` wheel) over a recorder of TensorRT's
+compiled core: that proves upstream's plugin-layer Python accepts them, not that a TensorRT build ran.
+
+The plugins register in namespace ``trt_compat.PYTHON_NAMESPACE`` (``mac_py``), apart from the native
+library ``libmacattn_trt.so`` (``mac``), so both can be loaded into one process.
 
 Usage on a machine with TensorRT::
 
     from macattn.plugins.tensorrt_plugins import register_all
-    register_all()          # then parse *.trt.onnx (op_type match/attend, namespace mac)
+    register_all()          # then parse a *.trt.onnx written with backend="python"
 
-``impl`` runs the op's Triton launcher (the one registered as the torch op's CUDA kernel) on
-TensorRT's stream, writing TensorRT's output buffers; ``aot_impl`` hands TensorRT the one-pass
-kernel images (``AotImage``), so an engine built with ``--aot`` plugins needs no Python at run time.
+``impl`` runs the op's Triton launcher (the one registered as the torch op's CUDA kernel) on TensorRT's
+stream, writing TensorRT's output buffers; ``aot_impl`` hands TensorRT the one-pass kernel images
+(``AotImage``), so an engine built with AOT plugins needs no Python at run time. ``match`` / ``attend``
+define both; TensorRT then needs a choice: the ``aot`` attribute that ``to_tensorrt_onnx`` writes on
+their ONNX nodes, or the network flag ``PREFER_AOT_PYTHON_PLUGINS`` / ``PREFER_JIT_PYTHON_PLUGINS``.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence, Tuple, Union
 
 from .aot import AotImage
+from .trt_compat import MIN_PYTHON_PLUGINS, require_version, split_id
 
 __all__ = ["require_tensorrt", "register_all", "image_to_tensorrt", "PluginBinding"]
 
@@ -26,15 +34,19 @@ _REGISTERED = False
 
 
 def require_tensorrt():
-    """``(tensorrt, tensorrt.plugin)``; ``ImportError`` naming the package when absent."""
+    """``(tensorrt, tensorrt.plugin)``; ``ImportError`` naming the package when absent,
+    ``trt_compat.TensorRTVersionError`` (an ``ImportError``) when older than 10.9."""
     try:
         import tensorrt
-        import tensorrt.plugin as trtp
     except ImportError as exc:
         raise ImportError(
-            "the TensorRT plugins need the `tensorrt` package (>= 10.8, with tensorrt.plugin) and an "
+            "the TensorRT plugins need the `tensorrt` package (>= 10.9, with tensorrt.plugin) and an "
             f"sm_90 GPU; it is not installed here ({exc}). Everything beneath the plugins runs without it: "
             "see docs/tensorrt.md") from exc
+    require_version("tensorrt", getattr(tensorrt, "__version__", "0"), MIN_PYTHON_PLUGINS,
+                    "the macattn Python plugins (tensorrt.plugin aot_impl / KernelLaunchParams)")
+    import tensorrt.plugin as trtp
+
     return tensorrt, trtp
 
 
@@ -69,6 +81,17 @@ class PluginBinding:
                         (trt.int64, torch.int64), (trt.int32, torch.int32))
         # the return annotation tensorrt.plugin requires of an aot_impl
         self.aot_result = Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]
+
+    def register(self, plugin_id: str) -> Callable[[Callable], Callable]:
+        """``trtp.register(plugin_id)``, or, when ``tensorrt.plugin`` already holds a definition of
+        ``plugin_id`` (an earlier ``register_all`` that failed part way, or a second call), a decorator that
+        keeps that definition: upstream refuses a second one ("already has a definition"). The descriptor is
+        a pure function of the same inputs, so the kept one is equivalent."""
+        namespace, name = split_id(plugin_id)
+        op = getattr(self.trtp, "op", None)
+        if op is not None and hasattr(op, namespace) and hasattr(getattr(op, namespace), name):
+            return lambda fn: fn
+        return self.trtp.register(plugin_id)
 
     def to_torch_dtype(self, dtype) -> Any:
         """The torch dtype of a TensorRT ``DataType``; ``TypeError`` for one the plugins do not take."""
@@ -142,8 +165,9 @@ class _CudaMemory:
 
 
 def register_all() -> tuple[str, ...]:
-    """Register ``mac::match``, ``mac::attend``, ``mac::route_fused``, ``mac::retrieval_completion`` and
-    ``mac::completion_cache`` once; returns their plugin ids."""
+    """Register ``mac_py::match``, ``mac_py::attend``, ``mac_py::route_fused``, ``mac_py::retrieval_completion``
+    and ``mac_py::completion_cache``; returns their plugin ids. Safe to call again, also after a call that failed
+    part way (definitions already in ``tensorrt.plugin`` are kept, the implementations re-attached)."""
     global _REGISTERED
     trt, trtp = require_tensorrt()
     from .mac_attend import plugin as attend_plugin

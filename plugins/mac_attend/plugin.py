@@ -18,11 +18,12 @@ import torch
 
 from ..aot import (FLOATS, AotImage, KernelSpec, check_dims_fit, check_dtypes, check_input_ranks, check_int_attrs,
                    compile_image, pow2_head_dim, static_dim, triton_ptr_type)
+from ..trt_compat import python_id
 
 __all__ = ["PLUGIN_ID", "INPUTS", "OUTPUTS", "OutputSpec", "attend_output_specs", "attend_kernel_spec", "attend_aot_image",
            "register_tensorrt"]
 
-PLUGIN_ID = "mac::attend"
+PLUGIN_ID = python_id("attend")
 INPUTS = ("q", "q_pre", "k", "v", "positions", "match_pos", "slots", "qring", "oring", "ring_lse", "ring_pos")
 OUTPUTS = ("out", "qring_out", "oring_out", "ring_lse_out", "ring_pos_out")
 _RANKS = (3, 3, 4, 4, 1, 2, 1, 4, 4, 3, 2)
@@ -121,7 +122,7 @@ def register_tensorrt(binding) -> None:
     TensorDesc, Tensor = trtp.TensorDesc, trtp.Tensor
     launch = MacAttendLauncher()
 
-    @trtp.register(PLUGIN_ID)
+    @binding.register(PLUGIN_ID)
     def _attend_desc(q: TensorDesc, q_pre: TensorDesc, k: TensorDesc, v: TensorDesc, positions: TensorDesc,
                      match_pos: TensorDesc, slots: TensorDesc, qring: TensorDesc, oring: TensorDesc,
                      ring_lse: TensorDesc, ring_pos: TensorDesc, band: int, scale: float

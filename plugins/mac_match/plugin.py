@@ -4,7 +4,7 @@ The ONNX node ``macattn::MacMatch`` (``docs/graph.md``) becomes this plugin in
 ``*.trt.onnx``: same inputs in the same order, attributes ``band`` (int) and ``tau`` (float).
 Inference and the AOT image are plain functions over *dims* (``int`` or TensorRT's
 ``ShapeExpr``) and torch dtypes, tested without TensorRT; ``register_tensorrt`` is the thin
-skin that hands them to ``tensorrt.plugin`` (needs ``tensorrt>=10.8``).
+skin that hands them to ``tensorrt.plugin`` (needs ``tensorrt>=10.9``: ``trt_compat.MIN_PYTHON_PLUGINS``).
 
 No ``from __future__ import annotations`` here: ``tensorrt.plugin`` reads the registered
 functions' annotations as classes.
@@ -18,10 +18,11 @@ from macattn.core.threshold import match_threshold
 
 from ..aot import (FLOATS, AotImage, KernelSpec, check_dims_fit, check_dtypes, check_input_ranks, check_int_attrs,
                    compile_image, pow2_head_dim, static_dim, triton_ptr_type)
+from ..trt_compat import python_id
 
 __all__ = ["PLUGIN_ID", "INPUTS", "OUTPUTS", "match_output_specs", "match_kernel_spec", "match_aot_image", "register_tensorrt"]
 
-PLUGIN_ID = "mac::match"
+PLUGIN_ID = python_id("match")
 INPUTS = ("q_pre", "qring", "ring_lse", "ring_pos", "slots", "positions")
 OUTPUTS = ("match_pos", "dist")
 _RANKS = (3, 4, 3, 2, 1, 1)
@@ -92,7 +93,7 @@ def register_tensorrt(binding) -> None:
     TensorDesc, Tensor = trtp.TensorDesc, trtp.Tensor
     launch = MacMatchLauncher()
 
-    @trtp.register(PLUGIN_ID)
+    @binding.register(PLUGIN_ID)
     def _match_desc(q_pre: TensorDesc, qring: TensorDesc, ring_lse: TensorDesc, ring_pos: TensorDesc,
                     slots: TensorDesc, positions: TensorDesc, band: int, tau: float) -> Tuple[TensorDesc, TensorDesc]:
         return binding.output_descs((q_pre, qring, ring_lse, ring_pos, slots, positions), match_output_specs,

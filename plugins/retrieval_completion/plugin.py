@@ -19,12 +19,13 @@ from typing import Any, Sequence, Tuple
 import torch
 
 from ..aot import FLOATS, check_dims_fit, check_dtypes, check_input_ranks, check_int_attrs
+from ..trt_compat import python_id
 
 __all__ = ["STEP_ID", "CACHE_ID", "STEP_INPUTS", "CACHE_INPUTS", "CACHE_OUTPUTS", "retrieval_completion_output_specs",
            "completion_cache_output_specs", "register_tensorrt"]
 
-STEP_ID = "mac::retrieval_completion"
-CACHE_ID = "mac::completion_cache"
+STEP_ID = python_id("retrieval_completion")
+CACHE_ID = python_id("completion_cache")
 STEP_INPUTS = ("q", "k_cache", "v_cache", "seq_lens", "n_prefill", "log_phi_q", "log_phi_k", "comp_A", "comp_b",
                "comp_shift")
 CACHE_INPUTS = ("log_phi_k", "v_cache", "n_prefill")
@@ -89,7 +90,7 @@ def register_tensorrt(binding) -> None:
     trtp = binding.trtp
     TensorDesc, Tensor = trtp.TensorDesc, trtp.Tensor
 
-    @trtp.register(STEP_ID)
+    @binding.register(STEP_ID)
     def _step_desc(q: TensorDesc, k_cache: TensorDesc, v_cache: TensorDesc, seq_lens: TensorDesc,
                    n_prefill: TensorDesc, log_phi_q: TensorDesc, log_phi_k: TensorDesc, comp_A: TensorDesc,
                    comp_b: TensorDesc, comp_shift: TensorDesc, n_sink: int, n_tail: int, top_k: int,
@@ -107,7 +108,7 @@ def register_tensorrt(binding) -> None:
                                                              log_phi_k, comp_A, comp_b, comp_shift),
                        (n_sink, n_tail, top_k, scale), outputs)
 
-    @trtp.register(CACHE_ID)
+    @binding.register(CACHE_ID)
     def _cache_desc(log_phi_k: TensorDesc, v_cache: TensorDesc, n_prefill: TensorDesc, n_sink: int,
                     n_tail: int) -> Tuple[TensorDesc, TensorDesc, TensorDesc]:
         return binding.output_descs((log_phi_k, v_cache, n_prefill), completion_cache_output_specs, n_sink=n_sink,

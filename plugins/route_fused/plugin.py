@@ -17,10 +17,11 @@ from typing import Any, Sequence, Tuple
 import torch
 
 from ..aot import FLOATS, check_dims_fit, check_dtypes, check_input_ranks
+from ..trt_compat import python_id
 
 __all__ = ["PLUGIN_ID", "INPUTS", "OUTPUTS", "ALIASES", "route_fused_output_specs", "register_tensorrt"]
 
-PLUGIN_ID = "mac::route_fused"
+PLUGIN_ID = python_id("route_fused")
 INPUTS = ("x", "q", "w1", "b1", "w2", "b2", "gate", "state_mean", "state_count", "slots", "wk", "bk", "wv", "bv")
 OUTPUTS = ("k", "v", "lam", "state_mean_out", "state_count_out")
 _RANKS = (2, 2, 2, 1, 2, 1, 0, 2, 1, 1, 2, 1, 2, 1)
@@ -66,7 +67,7 @@ def register_tensorrt(binding) -> None:
     trtp = binding.trtp
     TensorDesc, Tensor = trtp.TensorDesc, trtp.Tensor
 
-    @trtp.register(PLUGIN_ID)
+    @binding.register(PLUGIN_ID)
     def _desc(x: TensorDesc, q: TensorDesc, w1: TensorDesc, b1: TensorDesc, w2: TensorDesc, b2: TensorDesc,
               gate: TensorDesc, state_mean: TensorDesc, state_count: TensorDesc, slots: TensorDesc, wk: TensorDesc,
               bk: TensorDesc, wv: TensorDesc, bv: TensorDesc, mode: int, beta: float

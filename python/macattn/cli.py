@@ -87,7 +87,7 @@ def _cmd_build(args) -> int:
         raise ValueError("give exactly one of --from HF_DIR and --tiny")
     build_engine_dir(args.model, args.out, mac=mac_config_from_args(args), hf_dir=args.from_dir,
                      tiny=args.tiny, seed=args.seed, progress=not args.no_progress, max_batch=args.max_batch,
-                     max_context=args.max_context)
+                     max_context=args.max_context, dtype=args.dtype)
     print(f"wrote {args.out}/manifest.json, {args.out}/hf/, {args.out}/decode.onnx, {args.out}/prefill.onnx")
     return 0
 
@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--seed", type=int, default=0, help="weight seed of --tiny")
     build.add_argument("--max-batch", type=int, default=8, help="TensorRT profile: largest batch")
     build.add_argument("--max-context", type=int, default=None, help="TensorRT profile: longest context")
+    build.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                       help="model dtype of the exported graphs (default bf16: the TensorRT plugins' dtype; TensorRT "
+                            "builds strongly typed)")
     build.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_mac_flags(build)
     build.set_defaults(func=_cmd_build)

@@ -128,7 +128,7 @@ def llama_engine(tmp_path_factory):
     model = build_builtin_model("llama", seed=11, **SMALL)
     model.save_pretrained(root / "src")
     rc = main(["build", "--model", "llama", "--from", str(root / "src"), "--out", str(root / "out"),
-               "--tau", "0.0", "--window", "16", "--band", "4", "--no-progress"])
+               "--dtype", "fp32", "--tau", "0.0", "--window", "16", "--band", "4", "--no-progress"])
     assert rc == 0
     return root / "out"
 

@@ -85,8 +85,9 @@ def test_dim_range_per_profile():
     io = ta.mac_network_io(MacConfig(window=4), 1, max_batch=2, num_heads=3, head_dim=16, dtype=torch.float16)
     qring = io.layer_rings(0)["qring"].inp
     dr = ta.dim_range(qring, 2)
-    assert list(dr) == ["num_slots", "heads", "window", "head_dim"]
-    assert dr["num_slots"] == [[1, 2, 2], [1, 2, 2]] and dr["heads"] == [3, 3] and dr["window"] == [4, 4]
+    l = qring.name.split(".")[1]
+    assert list(dr) == ["num_slots", f"heads.{l}", f"window.{l}", f"head_dim.{l}"]
+    assert dr["num_slots"] == [[1, 2, 2], [1, 2, 2]] and dr[f"heads.{l}"] == [3, 3] and dr[f"window.{l}"] == [4, 4]
     assert ta.dim_range(io.step_inputs[0], 1) == {"mac_tokens": [[0, 1, 2]]}
     with pytest.raises(ValueError, match="num_profiles"):
         ta.dim_range(qring, 0)
@@ -124,3 +125,47 @@ def test_rope_tables_validation():
 def test_make_mac_attention_needs_max_batch():
     with pytest.raises(ValueError, match="max_batch"):
         ta.make_mac_attention(object, MacConfig(), {}, max_batch=0)
+
+
+def test_t3_dim_names_are_per_layer_when_layers_differ():
+    """TRT-LLM keeps one range per dimension name: per-layer windows must not share a name."""
+    from macattn.builder.trtllm_attention import mac_network_io
+
+    cfg = MacConfig(window=16, band=4, layer_overrides={1: {"window": 32}})
+    io = mac_network_io(cfg, 2, max_batch=4, num_heads=4, head_dim=32, dtype=torch.bfloat16)
+    ranges = {}
+    for t in io.inputs + io.outputs:
+        for name, rng in zip(t.dims, t.ranges):
+            assert ranges.setdefault(name, rng) == rng, name
+    assert ranges["window.0"] == (16, 16, 16) and ranges["window.1"] == (32, 32, 32)
+
+
+def test_t4_global_layer_index_under_pipeline_parallelism():
+    from macattn.builder.trtllm_attention import global_layer_index
+
+    assert global_layer_index(0, 16) == 16 and global_layer_index(3, 0) == 3
+    with pytest.raises(ValueError, match="first_layer must be an int >= 0"):
+        global_layer_index(1, -1)
+
+
+def test_t1_create_plugin_through_upstream_quick_creator(monkeypatch):
+    """After ``register_all`` the registry holds upstream's quick creators: (name, namespace, fc, phase, request)."""
+    import sys as _sys
+    _sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "plugins"))
+    import trt_recorder as R
+
+    from macattn.builder.trtllm_attention import create_plugin
+    from macattn.builder.trtllm_build import ATTEND_ID, MATCH_ID, layer_plugin_fields
+    from macattn.plugins import tensorrt_plugins
+
+    monkeypatch.setattr(tensorrt_plugins, "_REGISTERED", False)
+    fields = layer_plugin_fields(MacConfig(window=16, band=4, tau=0.3), 1, 64)[0]
+    with R.installed() as (trt, _):
+        tensorrt_plugins.register_all()
+        reg = trt.get_plugin_registry()
+        for pid in (MATCH_ID, ATTEND_ID):
+            ns, name = pid.split("::")
+            plugin = create_plugin(trt, reg.get_creator(name, "1", ns), pid, fields[pid], aot=True)
+            assert type(plugin).__name__ == "_TemplateAOTPlugin" and list(plugin.attrs) == list(fields[pid])
+        jit = create_plugin(trt, reg.get_creator("match", "1", "mac_py"), MATCH_ID, fields[MATCH_ID], aot=False)
+        assert type(jit).__name__ == "_TemplateJITPlugin"

@@ -39,12 +39,12 @@ def test_split_args_missing_value():
 def test_plugin_fields_match_plugin_attributes(tmp_path):
     cfg = MacConfig(window=32, band=4, tau=0.3, layer_overrides={1: {"tau": 0.6, "band": 2}, 2: {"enabled": False}})
     fields = tb.layer_plugin_fields(cfg, num_layers=3, head_dim=64)
-    assert fields[0] == {"mac::match": {"band": 4, "tau": 0.3}, "mac::attend": {"band": 4, "scale": 0.125}}
-    assert fields[1]["mac::match"] == {"band": 2, "tau": 0.6}
+    assert fields[0] == {"mac_py::match": {"band": 4, "tau": 0.3}, "mac_py::attend": {"band": 4, "scale": 0.125}}
+    assert fields[1]["mac_py::match"] == {"band": 2, "tau": 0.6}
     assert fields[2] is None
     # The attribute names/values are accepted by the plugin definitions' own validation.
-    match_plugin._check_attrs(**fields[1]["mac::match"])
-    attend_plugin._check_attrs(**fields[1]["mac::attend"])
+    match_plugin._check_attrs(**fields[1]["mac_py::match"])
+    attend_plugin._check_attrs(**fields[1]["mac_py::attend"])
     assert set(fields[0]) == {match_plugin.PLUGIN_ID, attend_plugin.PLUGIN_ID}
     with pytest.raises(ValueError, match="head_dim"):
         tb.plugin_fields(cfg, 0)
@@ -106,3 +106,23 @@ def test_passthrough_max_batch_required():
     assert tb._passthrough_max_batch(["--max_batch_size", "8", "--max_batch_size=16"]) == 16
     r = subprocess.run([*_cli(), "--plugin", "mac", "--checkpoint_dir", "ck"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--max_batch_size" in r.stderr
+
+
+def test_t10_trtllm_engine_backend_is_version_gated(monkeypatch, capsys):
+    """TensorRT-LLM's main branch removed trtllm-build (July 2026); 1.2.x still has it."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", types.SimpleNamespace(__version__="1.3.0rc1"))
+    with pytest.raises(ImportError, match=r"removed after 1\.2\.x; found tensorrt_llm 1\.3\.0rc1"):
+        tb.require_trtllm_engine_backend()
+    assert tb.main(["--plugin", "mac", "--max_batch_size", "4", "--checkpoint_dir", "ck"]) == 2
+    assert "tensorrt_llm < 1.3" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", types.SimpleNamespace(__version__="1.2.0"))
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.commands", None)
+    with pytest.raises(ImportError, match=r"no tensorrt_llm.commands.build"):
+        tb.require_trtllm_engine_backend()
+
+
+def test_t7_beam_search_is_refused(capsys):
+    assert tb.main(["--plugin", "mac", "--max_batch_size", "4", "--max_beam_width", "2"]) == 2
+    assert "--max_beam_width 2 is not supported" in capsys.readouterr().err

@@ -112,11 +112,12 @@ def test_attend_rejects_bad_inputs():
 def test_plugin_io_and_attributes_match_the_onnx_schemas():
     from macattn.builder.onnx_ops import _schemas
     from macattn.builder.tensorrt_build import TRT_PLUGINS
+    from macattn.plugins.trt_compat import python_id
 
     schemas = {s.name: s for s in _schemas()}
     for plugin, infer in ((match_plugin, match_plugin.match_output_specs),
                           (attend_plugin, attend_plugin.attend_output_specs)):
-        onnx_name = next(k for k, (name, ns, _) in TRT_PLUGINS.items() if f"{ns}::{name}" == plugin.PLUGIN_ID)
+        onnx_name = next(k for k, name in TRT_PLUGINS.items() if python_id(name) == plugin.PLUGIN_ID)
         schema = schemas[onnx_name]
         assert tuple(p.name for p in schema.inputs) == plugin.INPUTS
         assert tuple(p.name for p in schema.outputs) == plugin.OUTPUTS

@@ -60,6 +60,7 @@ class SymIntExprs(SymExprs):
 
 def _fake_tensorrt():
     trt = types.ModuleType("tensorrt")
+    trt.__version__ = "10.9.0.34"
     for name in ("float32", "float16", "bfloat16", "int64", "int32"):
         setattr(trt, name, f"trt.{name}")
     trtp = types.ModuleType("tensorrt.plugin")
@@ -89,8 +90,8 @@ def trtp(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", plugin)
     monkeypatch.setattr(tensorrt_plugins, "_REGISTERED", False)
-    assert tensorrt_plugins.register_all() == ("mac::match", "mac::attend", "mac::route_fused",
-                                               "mac::retrieval_completion", "mac::completion_cache")
+    assert tensorrt_plugins.register_all() == ("mac_py::match", "mac_py::attend", "mac_py::route_fused",
+                                               "mac_py::retrieval_completion", "mac_py::completion_cache")
     return plugin
 
 
@@ -104,7 +105,7 @@ def _descs(*tensors):
 
 def test_registered_signatures_follow_tensorrt_plugin(trtp):
     reg = trtp.registry
-    assert set(reg["register"]) == set(reg["impl"]) and set(reg["aot_impl"]) == {"mac::match", "mac::attend"}
+    assert set(reg["register"]) == set(reg["impl"]) and set(reg["aot_impl"]) == {"mac_py::match", "mac_py::attend"}
     for pid, desc in reg["register"].items():
         sig = inspect.signature(desc)
         kinds = [p.annotation for p in sig.parameters.values()]
@@ -147,28 +148,28 @@ def test_descriptors_infer_and_alias(trtp):
     pr = _mac_problem()
     match_pos = torch.zeros(2, 4, dtype=torch.int64)
     ins = _descs(pr.q_pre, pr.qring, pr.ring_lse, pr.ring_pos, pr.slots, pr.positions)
-    mp, dist = reg["mac::match"](*ins, band=8, tau=0.45)
+    mp, dist = reg["mac_py::match"](*ins, band=8, tau=0.45)
     assert (mp.shape_expr, mp.dtype, dist.shape_expr, dist.dtype) == ((2, 4), "trt.int64", (2, 4), "trt.float32")
     ins = _descs(pr.q, pr.q_pre, pr.k, pr.v, pr.positions, match_pos, pr.slots, *pr.rings())
-    out, *rings = reg["mac::attend"](*ins, band=8, scale=0.25)
+    out, *rings = reg["mac_py::attend"](*ins, band=8, scale=0.25)
     assert (out.shape_expr, out.dtype, out.alias_of) == ((2, 4, 16), "trt.bfloat16", None)
     assert [r.alias_of for r in rings] == ins[7:]
     ins = _descs(*_route_fused_inputs("cpu"))
-    k, v, lam, mean_out, count_out = reg["mac::route_fused"](*ins, mode=1, beta=0.9)
+    k, v, lam, mean_out, count_out = reg["mac_py::route_fused"](*ins, mode=1, beta=0.9)
     assert [t.shape_expr for t in (k, v, lam)] == [(3, 12), (3, 8), (3, 3)]
     assert (mean_out.alias_of, count_out.alias_of) == (ins[7], ins[8])
     ins = _descs(torch.zeros(2, 5, 40, 8), torch.zeros(2, 5, 40, 16), torch.zeros(2, dtype=torch.int64))
-    a, b, shift = reg["mac::completion_cache"](*ins, n_sink=2, n_tail=4)
+    a, b, shift = reg["mac_py::completion_cache"](*ins, n_sink=2, n_tail=4)
     assert [t.shape_expr for t in (a, b, shift)] == [(2, 5, 8, 16), (2, 5, 8), (2, 5, 8)]
     with pytest.raises(TypeError, match="not supported by the macattn plugins"):
-        reg["mac::completion_cache"](TensorDesc((2, 5, 40, 8), "trt.int8"), *ins[1:], n_sink=2, n_tail=4)
+        reg["mac_py::completion_cache"](TensorDesc((2, 5, 40, 8), "trt.int8"), *ins[1:], n_sink=2, n_tail=4)
 
 
 @pytest.mark.skipif(INTERPRET, reason="TRITON_INTERPRET: kernels are interpreted, not compiled")
 def test_aot_impl_returns_the_image(trtp):
     pr = _mac_problem()
     ins = _descs(pr.q_pre, pr.qring, pr.ring_lse, pr.ring_pos, pr.slots, pr.positions)
-    name, ptx, launch, extra = trtp.registry["aot_impl"]["mac::match"](*ins, band=8, tau=0.45, outputs=(), tactic=0)
+    name, ptx, launch, extra = trtp.registry["aot_impl"]["mac_py::match"](*ins, band=8, tau=0.45, outputs=(), tactic=0)
     assert name == "mac_match_onepass" and ".target sm_90" in ptx
     assert (launch.grid_x, launch.grid_y, launch.grid_z, launch.block_x) == (2, 4, 1, 128)
     assert list(extra) == [("SymInt32", 2)]
@@ -185,14 +186,14 @@ def test_jit_impls_write_tensorrt_outputs_on_its_stream(trtp):
     stream = torch.cuda.Stream()
     m_ins = (pr.q_pre, pr.qring, pr.ring_lse, pr.ring_pos, pr.slots, pr.positions)
     outs = (torch.full((2, 4), -7, dtype=torch.int64, device="cuda"), torch.full((2, 4), float("nan"), device="cuda"))
-    impl["mac::match"](*map(Tensor, m_ins), 8, 0.45, outputs=tuple(map(Tensor, outs)), stream=stream.cuda_stream)
+    impl["mac_py::match"](*map(Tensor, m_ins), 8, 0.45, outputs=tuple(map(Tensor, outs)), stream=stream.cuda_stream)
     stream.synchronize()
     want = MacMatchLauncher()(*m_ins, 8, 0.45)
     assert torch.equal(outs[0], want[0]) and torch.equal(outs[1], want[1])
     rings, ref_rings = pr.rings(), pr.rings()
     a_ins = (pr.q, pr.q_pre, pr.k, pr.v, pr.positions, want[0], pr.slots)
     out = torch.full((2, 4, 16), float("nan"), dtype=pr.q.dtype, device="cuda")
-    impl["mac::attend"](*map(Tensor, a_ins + rings), 8, pr.scale, outputs=tuple(map(Tensor, (out, *rings))),
+    impl["mac_py::attend"](*map(Tensor, a_ins + rings), 8, pr.scale, outputs=tuple(map(Tensor, (out, *rings))),
                         stream=stream.cuda_stream)
     stream.synchronize()
     ref = MacAttendLauncher()(*a_ins, *ref_rings, 8, pr.scale)
@@ -209,7 +210,7 @@ def test_route_fused_impl_writes_outputs_and_aliased_state(trtp):
     outs = (torch.full((3, 12), float("nan"), device="cuda"), torch.full((3, 8), float("nan"), device="cuda"),
             torch.full((3, 3), float("nan"), device="cuda"))
     stream = torch.cuda.Stream()
-    trtp.registry["impl"]["mac::route_fused"](*map(Tensor, ins), 1, 0.9,
+    trtp.registry["impl"]["mac_py::route_fused"](*map(Tensor, ins), 1, 0.9,
                                               outputs=tuple(map(Tensor, (*outs, ins[7], ins[8]))),
                                               stream=stream.cuda_stream)
     stream.synchronize()

@@ -1,0 +1,144 @@
+"""Ring-slot bookkeeping per TensorRT-LLM request id (pure Python; no ``tensorrt_llm``).
+
+TensorRT-LLM's PyTorch executor names a request by ``LlmRequest.py_request_id`` (an int) and hands the
+KV-cache manager ``prepare_resources(scheduled_batch)`` before a step and ``free_resources(request)`` when
+the request ends (``pyexecutor/resource_manager.py``). Our rings are addressed by a *slot* (row ``s`` of
+``qring[l] [S, Hq, K_l, d]`` etc., ``MacState``). :class:`RingSlotTable` is the map between the two over
+any pool with the ``SlotPool`` protocol (``acquire() -> int`` resets and hands out a free slot,
+``release(slot)`` resets and returns it), so a request's rows are empty when it gets them and when it gives
+them back: no entry of one request is ever a match candidate for the next owner.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+import torch
+
+__all__ = ["SlotSource", "RingSlotTable", "SlotFreeList"]
+
+
+class SlotSource(Protocol):
+    """What the table needs of a ring pool (``macattn.core.slot_pool.SlotPool``, e.g. ``MacState``)."""
+
+    @property
+    def num_slots(self) -> int: ...
+
+    def acquire(self) -> int: ...
+
+    def release(self, slot: int) -> None: ...
+
+
+def _request_id(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"request_id must be an int >= 0 (LlmRequest.py_request_id), got {value!r}")
+    return value
+
+
+class RingSlotTable:
+    """``request id -> ring slot`` over ``pool``.
+
+    ``assign(rid)`` takes a slot for a new request (``ValueError`` if ``rid`` already has one,
+    ``RuntimeError`` from the pool when all ``pool.num_slots`` are taken); ``ensure(rid)`` assigns only if
+    needed (what ``prepare_resources`` calls for every scheduled request); ``free(rid)`` releases it (a
+    request id never seen is ignored: upstream frees requests whose context step never ran); ``slot(rid)``
+    looks one up (``KeyError`` naming the id); ``slots(rids)`` is the ``[G]`` int64 tensor of a batch's
+    slots in the order given.
+    """
+
+    def __init__(self, pool: SlotSource) -> None:
+        for name in ("acquire", "release", "num_slots"):
+            if not hasattr(pool, name):
+                raise TypeError(f"pool must have acquire(), release(slot) and num_slots (a SlotPool), "
+                                f"{type(pool).__name__} lacks {name}")
+        self.pool = pool
+        self._slot_of: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def __contains__(self, rid) -> bool:
+        return rid in self._slot_of
+
+    @property
+    def assigned(self) -> dict[int, int]:
+        """A copy of the current ``{request id: slot}``."""
+        return dict(self._slot_of)
+
+    def assign(self, rid: int) -> int:
+        rid = _request_id(rid)
+        if rid in self._slot_of:
+            raise ValueError(f"request {rid} already owns ring slot {self._slot_of[rid]}")
+        slot = self.pool.acquire()
+        self._slot_of[rid] = slot
+        return slot
+
+    def ensure(self, rid: int) -> int:
+        rid = _request_id(rid)
+        return self._slot_of[rid] if rid in self._slot_of else self.assign(rid)
+
+    def free(self, rid: int) -> int | None:
+        """Release ``rid``'s slot; returns it, or ``None`` when ``rid`` has none."""
+        rid = _request_id(rid)
+        slot = self._slot_of.pop(rid, None)
+        if slot is not None:
+            self.pool.release(slot)
+        return slot
+
+    def slot(self, rid: int) -> int:
+        try:
+            return self._slot_of[rid]
+        except KeyError:
+            raise KeyError(f"request {rid!r} has no ring slot (prepare_resources did not see it)") from None
+
+    def slots(self, rids: Iterable[int], device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[G]`` int64 slots of ``rids`` (in that order) on ``device``."""
+        return torch.tensor([self.slot(r) for r in rids], dtype=torch.int64, device=device)
+
+
+class SlotFreeList:
+    """A ring-slot pool whose per-slot states arrive later: ``num_slots`` slots, handed out by
+    ``acquire()`` and taken back by ``release(slot)``, each time calling ``reset(slot)`` on every state
+    ``attach``-ed so far (e.g. a ``MacState`` allocated at a layer's first forward, when the query head
+    count is known). A state attached while slots are in use is reset for those slots at once."""
+
+    def __init__(self, num_slots: int) -> None:
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+        self._num = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._in_use: set[int] = set()
+        self.states: list = []
+
+    @property
+    def num_slots(self) -> int:
+        return self._num
+
+    @property
+    def in_use(self) -> tuple[int, ...]:
+        return tuple(sorted(self._in_use))
+
+    def attach(self, state) -> None:
+        if not callable(getattr(state, "reset", None)):
+            raise TypeError(f"state must have reset(slot), got {type(state).__name__}")
+        if getattr(state, "num_slots", self._num) != self._num:
+            raise ValueError(f"state has {state.num_slots} slots, the pool has {self._num}")
+        self.states.append(state)
+        for slot in self._in_use:
+            state.reset(slot)
+
+    def acquire(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"no free ring slot: all {self._num} are in use")
+        slot = self._free.pop()
+        for state in self.states:
+            state.reset(slot)
+        self._in_use.add(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot not in self._in_use:
+            raise ValueError(f"ring slot {slot!r} is not in use")
+        for state in self.states:
+            state.reset(slot)
+        self._in_use.discard(slot)
+        self._free.append(slot)
