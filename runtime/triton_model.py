@@ -105,7 +105,8 @@ class TritonPythonModel:
         self.torch = torch
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
         rc = RuntimeConfig(max_batch_size=int(params.get("max_batch_size", "8")),
-                           block_size=int(params.get("block_size", "16")), device=params.get("device", "cpu"))
+                           block_size=int(params.get("block_size", "16")), device=params.get("device", "cpu"),
+                           tensor_parallel_size=int(params.get("tensor_parallel_size", "1")))
         mac = MacConfig.from_dict(json.loads(params["mac_config"])) if "mac_config" in params else None
         self.engine = ModelRunner.from_dir(params["engine_dir"], mac_config=mac, runtime_config=rc).engine
         # A3 chunked prompts (optional input rag_lengths): fusion config from the a3_config parameter
