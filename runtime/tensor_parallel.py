@@ -63,6 +63,7 @@ __all__ = ["TensorParallelError", "TensorParallelGroup", "TensorParallelExecutor
            "rank_devices", "refuse_chunked_prompts", "shutdown_all"]
 
 _CONTROL_IDLE = datetime.timedelta(days=365)   # a worker waits for the next step as long as rank 0 lives
+_INLINE = 8192                                 # control message bytes sent in the first broadcast
 _EXIT_OWN_ERROR = 1                            # a worker's own op raised
 _EXIT_PEER_GONE = 3                            # a worker lost a peer (its collective failed)
 
@@ -125,16 +126,25 @@ class _Control:
         return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
 
     def broadcast(self, obj=None):
-        """Rank 0's ``obj`` on every rank (the others pass nothing)."""
+        """Rank 0's ``obj`` on every rank (the others pass nothing): one broadcast of ``_INLINE`` bytes
+        (length + payload) when the pickle fits, the rest in a second one (a prompt's first step)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        data = self._encode(obj) if self.rank == 0 else None
-        n = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
-        self.pg.broadcast([n], opts).wait()
-        if data is None:
-            data = torch.empty(int(n), dtype=torch.uint8)
-        self.pg.broadcast([data], opts).wait()
-        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+        head = torch.zeros(8 + _INLINE, dtype=torch.uint8)
+        if self.rank == 0:
+            data = self._encode(obj)
+            n = data.numel()
+            head[:8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
+            head[8:8 + min(n, _INLINE)] = data[:_INLINE]
+        self.pg.broadcast([head], opts).wait()
+        n = int(head[:8].view(torch.int64))
+        if n > _INLINE:
+            rest = data[_INLINE:].clone() if self.rank == 0 else torch.empty(n - _INLINE, dtype=torch.uint8)
+            self.pg.broadcast([rest], opts).wait()
+        if self.rank == 0:
+            return obj
+        payload = head[8:8 + n].numpy().tobytes() + (rest.numpy().tobytes() if n > _INLINE else b"")
+        return pickle.loads(payload)
 
     def send(self, obj, dst: int) -> None:
         data = self._encode(obj)
@@ -464,11 +474,6 @@ def _mac_slot_counts(executor: ModelExecutor, slot: int):
     if state is None or not getattr(method, "collect_diagnostics", False):
         return None
     return state.diagnostics.per_slot[slot].tolist()
-
-
-def gathered_match_pos(executor: ModelExecutor) -> dict:
-    """A rank's MAC ``last_match_pos`` (layer -> ``[B, Hq / N]`` int64 on the CPU; ``run_on_ranks``)."""
-    return {layer: t.cpu() for layer, t in getattr(executor.method, "last_match_pos", {}).items()}
 
 
 def _build_rank(rank: int, comm, build: tuple, shard) -> ModelExecutor:
