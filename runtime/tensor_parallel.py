@@ -19,7 +19,8 @@ samples from the gathered logits; the workers' sampled tokens are never used (ea
 token rank 0 appended).
 
 Failures never hang: a collective of the model group waits ``RuntimeConfig.tp_timeout_s`` at most (a
-dead peer's closed connection ends it at once on gloo); a worker whose op or collective fails prints
+dead peer's closed connection ends it at once on gloo; rank 0 watches its workers and aborts the groups
+when one dies, which ends an NCCL wait too); a worker whose op or collective fails prints
 ``macattn tensor-parallel rank r: ...`` and exits; rank 0 then raises ``TensorParallelError`` naming the
 rank(s) that died and their exit codes, and stops the others (their connections close; survivors are
 terminated after a grace period). Workers die with rank 0 (``PR_SET_PDEATHSIG``, and the control
@@ -222,6 +223,20 @@ class TensorParallelGroup:
         self._store = store
         self.control = _Control(ctl, 0, size)
         self.comm = _Collectives(model, 0, size)
+        threading.Thread(target=self._watch, name="macattn-tp-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Abort the groups as soon as a worker dies: an op rank 0 has in flight (a host wait on an NCCL
+        stream included) then fails at once instead of at the collective timeout."""
+        while self.broken is None:
+            if self._dead():
+                for part in (self.comm, self.control):
+                    try:
+                        part.pg.abort()
+                    except Exception:
+                        pass
+                return
+            threading.Event().wait(0.2)
 
     @classmethod
     def get(cls, size: int, devices: list[str], timeout_s: float) -> "TensorParallelGroup":
