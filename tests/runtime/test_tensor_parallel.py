@@ -210,6 +210,16 @@ def test_unsharded_methods_and_bad_settings_are_refused():
         RuntimeConfig(tp_timeout_s=0)
 
 
+def test_servers_take_tp(capsys):
+    from macattn.cli import build_parser, main
+
+    assert build_parser().parse_args(["serve", "--model", "builtin", "--tp", "2"]).tp == 2
+    assert build_parser().parse_args(["triton-repo", "--engine", "e", "--out", "o", "--tp", "4"]).tp == 4
+    with pytest.raises(SystemExit):
+        main(["serve", "--repo", "repo", "--tp", "2"])
+    assert "--tp 2: a model repository carries its tensor-parallel size" in capsys.readouterr().err
+
+
 def test_chunked_prompts_are_refused_under_tp():
     runner = ModelRunner.from_hf(tp_model("llama"), MAC, tp_size=2, max_batch_size=2, block_size=8)
     try:

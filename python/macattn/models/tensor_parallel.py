@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from macattn.core.validation import check_int
 from macattn.models.architectures import check_supported
 
 __all__ = ["Collectives", "ShardLayout", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead",
@@ -77,8 +78,7 @@ class ShardLayout:
     def of(cls, config, size: int) -> "ShardLayout":
         """Raise ``ValueError`` naming the parameter unless ``size`` divides the query heads, the KV
         heads and the MLP width (the vocabulary is padded instead)."""
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {size!r}")
+        check_int("tensor_parallel_size", size, 1)
         for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
             value = getattr(config, name)
             if value % size:
