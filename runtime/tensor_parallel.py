@@ -33,6 +33,7 @@ are spawned: a script that builds a tensor-parallel engine at import time needs 
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import ctypes
 import datetime
@@ -203,6 +204,7 @@ class TensorParallelGroup:
         self.lock = threading.RLock()
         self.broken: str | None = None
         self._pending: list[tuple] = []            # (engine id, action, arg) for the workers' next message
+        self._pending_lock = threading.Lock()
         self._engine_ids = itertools.count()
         self.procs: list = []
         store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=timeout_s),
@@ -253,7 +255,8 @@ class TensorParallelGroup:
     def enqueue(self, engine_id: int, action: str, arg=None) -> None:
         """Queue a slot reset / scratch reservation / engine release for the workers' next message (no
         communication now: safe from finalizers and from inside an op)."""
-        self._pending.append((engine_id, action, arg))
+        with self._pending_lock:
+            self._pending.append((engine_id, action, arg))
 
     def run(self, engine_id: int, op: str, args: tuple, local: Callable[[], Any]):
         """Broadcast ``(pending, engine_id, op, args)`` and run ``local()`` (rank 0's share of the op, which
@@ -265,7 +268,8 @@ class TensorParallelGroup:
             if dead:
                 raise self._fail(None)
             try:
-                pending, self._pending = self._pending, []
+                with self._pending_lock:
+                    pending, self._pending = self._pending, []
                 self.control.broadcast((pending, engine_id, op, args))
                 return local()
             except BaseException as exc:
@@ -336,8 +340,6 @@ def shutdown_all() -> None:
         group.shutdown()
 
 
-import atexit  # noqa: E402
-
 atexit.register(shutdown_all)
 
 
@@ -407,7 +409,7 @@ class TensorParallelExecutor:
         dtype = model.dtype if random else next(model.parameters()).dtype
         state = None if random else model.state_dict()
         seed = model.seed if random else None
-        build = (hf, spec, config, devices, dtype, seed)
+        build = (hf, spec, config, devices, dtype, seed, state is not None)   # last: rank 0 sends the shards
 
         def local():
             if state is not None:
@@ -493,7 +495,7 @@ def _mac_slot_counts(executor: ModelExecutor, slot: int):
 
 def _build_rank(rank: int, comm, build: tuple, shard) -> ModelExecutor:
     """Rank ``rank``'s shard of the model (``shard``: its tensors, None = random) bound to its method."""
-    hf, spec, config, devices, dtype, seed = build
+    hf, spec, config, devices, dtype, seed, _ = build
     model = build_shard(hf, shard, comm, device=devices[rank], dtype=dtype, seed=seed)
     rc = replace(config, device=devices[rank])
     return ModelExecutor(model, spec.factory(ModelDims.of(model), rc), rc)
@@ -588,7 +590,7 @@ def _worker_main(rank: int, size: int, port: int, device: str, backend: str, tim
             if op == "stop":
                 os._exit(0)
             if op == "build":
-                shard = control.recv(0) if args[-1] is None else None
+                shard = control.recv(0) if args[-1] else None
                 engines[eid] = _WorkerEngine(_build_rank(rank, comm, args, shard))
             elif op == "prefill":
                 rid, wire, budget = args
