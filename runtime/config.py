@@ -5,7 +5,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from macattn.core.validation import check_bool, check_choice, check_int
+from macattn.core.validation import check_bool, check_choice, check_float, check_int
 from macattn.models.fused import QUANTIZATIONS
 
 __all__ = ["RuntimeConfig"]
@@ -52,6 +52,8 @@ class RuntimeConfig:
     fused_weights: bool = True
     quantization: str | None = None
     prefill_chunk: int | None = None
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         _positive_int("max_batch_size", self.max_batch_size)
@@ -59,6 +61,8 @@ class RuntimeConfig:
         _positive_int("block_size", self.block_size)
         _positive_int("num_blocks", self.num_blocks, allow_none=True)
         _positive_int("prefill_chunk", self.prefill_chunk, allow_none=True)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        check_float("tp_timeout_s", self.tp_timeout_s, 0.0, lo_open=True)
         for name in ("use_cuda_graphs", "fused_weights"):
             check_bool(name, getattr(self, name))
         check_choice("quantization", self.quantization, QUANTIZATIONS)

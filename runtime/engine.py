@@ -9,7 +9,7 @@ thread drives an engine (the Triton model drives it from its own loop thread).
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -26,7 +26,35 @@ from macattn.runtime.scheduler import Scheduler
 from macattn.runtime.sequence import Sequence
 from macattn.runtime.slots import SlotStates
 
-__all__ = ["StepOutput", "LLMEngine", "check_input_ids"]
+__all__ = ["MethodSpec", "StepOutput", "LLMEngine", "check_input_ids"]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """An attention method by registry name and its configuration: ``mac_config`` (MAC's),
+    ``method_config`` (another method's; None = its config type's defaults), ``kwargs`` (its other
+    constructor arguments). A tensor-parallel group sends it to every rank, which builds the method
+    for its own heads (``factory``)."""
+
+    name: str
+    mac_config: MacConfig
+    method_config: object = None
+    kwargs: dict = field(default_factory=dict)
+
+    def factory(self, dims: ModelDims, config: RuntimeConfig) -> Callable[[int], AttentionMethod]:
+        """``num_slots -> AttentionMethod`` for a model of ``dims`` under ``config`` (resolved). A method
+        whose constructor takes ``max_seq_len`` gets the runtime's."""
+        cls = method_class(self.name)
+        kwargs = dict(self.kwargs)
+        if "max_seq_len" in inspect.signature(cls.__init__).parameters:
+            kwargs = {"max_seq_len": config.max_seq_len, **kwargs}
+        if cls is MacAttention:
+            if self.method_config is not None:
+                raise ValueError("pass MAC's config as mac_config, not method_config")
+            method_config = self.mac_config
+        else:
+            method_config = self.method_config if self.method_config is not None else cls.config_type()
+        return lambda num_slots: cls(method_config, dims, num_slots=num_slots, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -83,34 +111,33 @@ class LLMEngine:
         self.config = config
         self.mac_config = mac_config if mac_config is not None else MacConfig(enabled=False)
         self.mac_config.require_engine_support("ModelRunner")
-        factory = method if callable(method) else self._factory(model, method, method_config, method_kwargs or {})
-        self.executor = ModelExecutor(model, factory, config)
+        if config.tensor_parallel_size > 1:       # rank 0 of a tensor-parallel group; workers hold the other shards
+            from macattn.runtime.tensor_parallel import TensorParallelExecutor
+
+            if callable(method):
+                raise ValueError("tensor_parallel_size > 1 takes the method by registry name (every rank builds "
+                                 "its own for its heads), not a factory")
+            self.executor = TensorParallelExecutor(model, MethodSpec(method, self.mac_config, method_config,
+                                                                     method_kwargs or {}), config)
+        else:
+            factory = (method if callable(method) else
+                       MethodSpec(method, self.mac_config, method_config, method_kwargs or {}).factory(
+                           ModelDims.of(model.to(config.device)), config))
+            self.executor = ModelExecutor(model, factory, config)
         self.method = self.executor.method
         self.slot_states = SlotStates(self.executor.num_slots)
-        for name, state in self.method.slot_states().items():
+        for name, state in self.executor.slot_states().items():
             self.slot_states.register(name, state)
-        if self.executor.mka is not None:
-            for name, state in self.executor.mka.slot_states().items():
-                self.slot_states.register(name, state)
         if self.executor.decoder is not None:    # the padding rows' scratch, never a request's
             self.executor.reserve_scratch(self.slot_states.acquire())
         self.scheduler = Scheduler(self.slot_states, self.executor.blocks,
-                                   on_finish=lambda seq: seq.metrics.update(self.method.request_metrics(seq.slot)))
+                                   on_finish=lambda seq: seq.metrics.update(self.executor.request_metrics(seq.slot)))
         self.vocab_size = model.config.vocab_size
         self.requests: dict[int, Sequence] = {}
 
-    def _factory(self, model, name: str, method_config, kwargs: dict):
-        cls = method_class(name)
-        if "max_seq_len" in inspect.signature(cls.__init__).parameters:
-            kwargs = {"max_seq_len": self.config.max_seq_len, **kwargs}
-        if cls is MacAttention:
-            if method_config is not None:
-                raise ValueError("pass MAC's config as mac_config, not method_config")
-            method_config = self.mac_config
-        elif method_config is None:
-            method_config = cls.config_type()
-        return lambda num_slots: cls(method_config, ModelDims.of(model.to(self.config.device)), num_slots=num_slots,
-                                     **kwargs)
+    def close(self) -> None:
+        """Release what the engine holds outside this process (a tensor-parallel group's shards)."""
+        self.executor.close()
 
     @property
     def mac_state(self):

@@ -89,6 +89,20 @@ class ModelExecutor:
     def num_slots(self) -> int:
         return self.method.num_slots
 
+    def close(self) -> None:
+        """Nothing to release outside this process (``TensorParallelExecutor`` has its workers')."""
+
+    def slot_states(self) -> dict:
+        """Every per-request state to register with the slot registry: the method's and FastMKA's."""
+        states = dict(self.method.slot_states())
+        if self.mka is not None:
+            states.update(self.mka.slot_states())
+        return states
+
+    def request_metrics(self, slot: int) -> dict[str, float]:
+        """The method's figures of the request in ``slot`` (read before the slot is reset)."""
+        return self.method.request_metrics(slot)
+
     def reserve_scratch(self, slot: int) -> None:
         """The padding rows' state row on CUDA (taken from the slot registry by the engine)."""
         self.scratch_slot = slot

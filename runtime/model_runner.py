@@ -114,11 +114,15 @@ class ModelRunner:
     def from_hf(cls, model_or_dir, mac_config: MacConfig | None = None, *,
                 runtime_config: RuntimeConfig | None = None, torch_dtype: torch.dtype | None = None,
                 a3=None, method: str = "mac", method_config=None, method_kwargs: dict | None = None,
-                **runtime_kwargs) -> "ModelRunner":
-        """model_or_dir: a transformers ``*ForCausalLM`` (bound in place) or a directory /
-        hub name for ``AutoModelForCausalLM.from_pretrained``. mac_config None = MAC off.
+                tp_size: int | None = None, **runtime_kwargs) -> "ModelRunner":
+        """model_or_dir: a transformers ``*ForCausalLM`` (bound in place; with ``tp_size`` > 1 it is only
+        read: rank 0 slices it into the ranks' shards) or a directory / hub name for
+        ``AutoModelForCausalLM.from_pretrained``. mac_config None = MAC off.
         method / method_config / method_kwargs: the attention method (``LLMEngine``).
+        tp_size: ``RuntimeConfig.tensor_parallel_size`` (TensorRT-LLM's name; None = the config's).
         a3: ``macattn.methods.a3.reference.A3Config``, the default KV fusion of ``generate(..., documents=...)``."""
+        if tp_size is not None:
+            runtime_kwargs["tensor_parallel_size"] = tp_size
         if runtime_config is None:
             runtime_config = RuntimeConfig(**runtime_kwargs)
         elif runtime_kwargs:
@@ -227,6 +231,10 @@ class ModelRunner:
             if question_ids is not None or a3 is not None:
                 raise ValueError("question_ids / a3 need documents (chunked prompts)")
             return None
+        if self.engine.config.tensor_parallel_size > 1:
+            from macattn.runtime.tensor_parallel import refuse_chunked_prompts
+
+            refuse_chunked_prompts(self.engine.config.tensor_parallel_size)
         from macattn.methods.a3.config import A3Config
 
         from macattn.runtime.a3_assembly import RagPrompt

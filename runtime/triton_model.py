@@ -104,8 +104,12 @@ class TritonPythonModel:
             torch.set_num_threads(threads)
         self.torch = torch
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
+        # tensor_parallel_size only when set: a repository without TP stays loadable by a macattn that
+        # predates it (the stub imports the macattn of its sys_path, not necessarily this file's)
+        tp = int(params.get("tensor_parallel_size", "1"))
         rc = RuntimeConfig(max_batch_size=int(params.get("max_batch_size", "8")),
-                           block_size=int(params.get("block_size", "16")), device=params.get("device", "cpu"))
+                           block_size=int(params.get("block_size", "16")), device=params.get("device", "cpu"),
+                           **({"tensor_parallel_size": tp} if tp != 1 else {}))
         mac = MacConfig.from_dict(json.loads(params["mac_config"])) if "mac_config" in params else None
         self.engine = ModelRunner.from_dir(params["engine_dir"], mac_config=mac, runtime_config=rc).engine
         # A3 chunked prompts (optional input rag_lengths): fusion config from the a3_config parameter

@@ -31,7 +31,8 @@ Parameters (``config.pbtxt``, written now and read by ``model.py`` at load time)
 ``engine_dir``, ``sys_path`` (JSON list of site-packages directories that ``model.py``
 adds itself — the Python backend stub ignores ``PYTHONPATH``), ``mac_config`` (JSON
 ``MacConfig.to_dict()``) plus ``mac_window`` / ``mac_band`` / ``mac_tau`` / ``mac_enabled``
-for reading, ``max_batch_size``, ``block_size``, ``device``, ``torch_num_threads``.
+for reading, ``max_batch_size``, ``block_size``, ``device``, ``torch_num_threads``,
+``tensor_parallel_size`` (ranks the model is sharded over, ``runtime/tensor_parallel.py``).
 """
 from __future__ import annotations
 
@@ -166,14 +167,16 @@ def _find_tokenizer(tokenizer_dir, hf_dir: Path) -> Path | None:
 def write_model_repository(engine_dir: str | Path, out: str | Path, *, name: str = "macattn",
                            mac_config: MacConfig | None = None, max_batch_size: int = 8, block_size: int = 16,
                            device: str = "cpu", torch_num_threads: int = 0, sys_path: list[str] | None = None,
-                           sync_model: bool = True, tokenizer_dir: str | Path | None = None) -> list[Path]:
+                           sync_model: bool = True, tokenizer_dir: str | Path | None = None,
+                           tensor_parallel_size: int = 1) -> list[Path]:
     """Write the repository; returns the model directories. ``mac_config`` None = the engine's.
     ``tokenizer_dir``: the text models' tokenizer (None: the engine's ``hf/`` when it holds one;
     without any, only the token-id models are written)."""
     engine_dir = Path(engine_dir).resolve()
     manifest = read_engine_dir(engine_dir)          # fails early on a bad engine dir
     mac = mac_config or manifest.mac_config
-    for label, val in (("max_batch_size", max_batch_size), ("block_size", block_size)):
+    for label, val in (("max_batch_size", max_batch_size), ("block_size", block_size),
+                       ("tensor_parallel_size", tensor_parallel_size)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise ValueError(f"{label} must be an int >= 1, got {val!r}")
     if not name or not all(c.isalnum() or c in "_-" for c in name):
@@ -185,7 +188,7 @@ def write_model_repository(engine_dir: str | Path, out: str | Path, *, name: str
         "mac_window": str(mac.window), "mac_band": str(mac.band), "mac_tau": repr(mac.tau),
         "mac_enabled": str(mac.enabled).lower(),
         "max_batch_size": str(max_batch_size), "block_size": str(block_size), "device": device,
-        "torch_num_threads": str(int(torch_num_threads)),
+        "torch_num_threads": str(int(torch_num_threads)), "tensor_parallel_size": str(tensor_parallel_size),
     }
     out = Path(out)
     src = Path(__file__).with_name("triton_model.py")

@@ -28,7 +28,8 @@ def _cmd_triton_repo(args) -> int:
                                   max_batch_size=args.max_batch_size, block_size=args.block_size,
                                   device=args.device, torch_num_threads=args.torch_threads,
                                   sys_path=(args.sys_path.split(":") if args.sys_path else None),
-                                  sync_model=not args.no_sync_model, tokenizer_dir=args.tokenizer_dir)
+                                  sync_model=not args.no_sync_model, tokenizer_dir=args.tokenizer_dir,
+                                  tensor_parallel_size=args.tp)
     for d in dirs:
         print(f"wrote {d}")
     if not any(d.name == "ensemble" for d in dirs):
@@ -43,6 +44,9 @@ def _cmd_serve(args) -> int:
         raise ValueError("give exactly one of --repo (Triton model repository) and --model (OpenAI-compatible server)")
     if args.model is not None:
         return _serve_openai(args)
+    if args.tp != 1:
+        raise ValueError(f"--tp {args.tp}: a model repository carries its tensor-parallel size (macattn triton-repo "
+                         "--tp N); --tp here applies to --model")
     import signal
     import threading
 
@@ -69,7 +73,8 @@ def _serve_openai(args) -> int:
     from macattn.apps.openai_server import build_app
 
     with LLM(args.model, device=args.device, max_batch_size=args.max_batch_size,
-             mac="off" if args.no_mac else None, prefill_chunk=args.prefill_chunk) as llm:
+             mac="off" if args.no_mac else None, prefill_chunk=args.prefill_chunk,
+             tensor_parallel_size=args.tp) as llm:
         name = args.served_model_name or ("builtin" if args.model == "builtin" else str(args.model))
         # uvicorn stops on SIGINT / SIGTERM (no new connections, in-flight requests get the grace period),
         # then re-raises the signal under the handlers it found: these swallow it, so the exit status is 0
@@ -135,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     tri.add_argument("--block-size", type=int, default=16, help="paged KV block size in tokens")
     tri.add_argument("--device", default="cpu")
     tri.add_argument("--torch-threads", type=int, default=0, help="torch threads in the server (0 = default)")
+    tri.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the model is sharded over")
     tri.add_argument("--sys-path", default=None,
                      help="':'-separated site-packages for model.py (default: this interpreter's)")
     tri.add_argument("--per-layer", default=None, help="MacConfig JSON overriding the engine's MAC config")
@@ -154,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill-chunk", type=int, default=None,
                      help="prompt tokens prefilled per engine step, between decode steps (OpenAI server; "
                           "default: whole prompts)")
+    srv.add_argument("--tp", type=int, default=1,
+                     help="tensor-parallel ranks the model is sharded over (OpenAI server; a --repo carries its "
+                          "own, from macattn triton-repo --tp)")
     srv.add_argument("--grace-period", type=int, default=10, help="seconds in-flight requests get on SIGTERM")
     srv.add_argument("--workdir", default=".tritonserver", help="where the backends copy and the log go")
     srv.add_argument("--address", default="127.0.0.1")

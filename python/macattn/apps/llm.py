@@ -167,12 +167,13 @@ class LLM:
     attention method (``"mac"``, ``"full"``, …). mac: a ``MacConfig``, a per-layer file from
     ``macattn tune``, ``"off"``, or None (MAC's defaults). dtype: ``"auto"`` or a torch dtype;
     device, max_batch_size, max_seq_len, quantization, use_cuda_graphs (None: on CUDA), prefill_chunk
-    (prompt tokens per engine step; None: whole prompts): the runtime's (``RuntimeConfig``)."""
+    (prompt tokens per engine step; None: whole prompts), tensor_parallel_size (ranks the model is
+    sharded over, ``runtime/tensor_parallel.py``): the runtime's (``RuntimeConfig``)."""
 
     def __init__(self, model: Any = "builtin", *, tokenizer: Any = None, method: str = "mac", mac: Any = None,
                  dtype: Any = "auto", device: str = "cpu", max_batch_size: int = 8, max_seq_len: int | None = None,
                  quantization: str | None = None, use_cuda_graphs: bool | None = None,
-                 prefill_chunk: int | None = None) -> None:
+                 prefill_chunk: int | None = None, tensor_parallel_size: int = 1) -> None:
         self._engine_loop: _EngineLoop | None = None
         hf, tok = self._load(model, tokenizer, dtype)
         self.tokenizer = tok
@@ -184,7 +185,8 @@ class LLM:
             raise ValueError(f"mac is MAC's configuration; method={method!r} takes none")
         rc = RuntimeConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device,
                            use_cuda_graphs=device.startswith("cuda") if use_cuda_graphs is None else use_cuda_graphs,
-                           quantization=quantization, prefill_chunk=prefill_chunk)
+                           quantization=quantization, prefill_chunk=prefill_chunk,
+                           tensor_parallel_size=tensor_parallel_size)
         self.engine = LLMEngine(hf, mac_config, rc, method=method)
 
     @staticmethod

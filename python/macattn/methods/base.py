@@ -37,6 +37,8 @@ class Capabilities:
     miss_policies: the values of ``miss_policy`` the engine honours (MAC only).
     prefill_only: the method changes how a request's prompt KV is built, not the decode.
     composes: the method runs around another method's attention (FastMKA's fused K/V inputs).
+    head_sharded: its per-request state is per head, so a tensor-parallel rank holds (and
+    computes) only its heads' share of it (``macattn.models.tensor_parallel``).
     """
 
     paged_kv: bool = True
@@ -47,6 +49,7 @@ class Capabilities:
     miss_policies: tuple[str, ...] = ()
     prefill_only: bool = False
     composes: bool = False
+    head_sharded: bool = False
 
 
 @dataclass(frozen=True)

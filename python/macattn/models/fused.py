@@ -9,7 +9,8 @@ on CUDA, their plain-torch references elsewhere): RMSNorm fused with the residua
 and — when the KV view is a paged pool taking one token per request (``PagedAppend``, the GPU
 decode step) — RoPE of the query and key heads with the key/value append to the pool in one
 launch. Per layer that is norm, QKV GEMM, RoPE+append, the method's attention, O GEMM, add+norm,
-gate/up GEMM, SiLU·mul, down GEMM.
+gate/up GEMM, SiLU·mul, down GEMM. A tensor-parallel shard (``macattn.models.tensor_parallel``) runs
+the same, its O and down outputs all-reduced over the ranks.
 
 It computes what the transformers model computes, with transformers' rounding: embedding, per
 layer norm -> QKV -> RoPE -> KV update -> the bound method's attention -> O -> residual -> norm ->
@@ -33,6 +34,7 @@ from torch import nn
 
 from macattn.models.architectures import check_supported
 from macattn.models.attention import attention_forward
+from macattn.models.tensor_parallel import RowParallelLinear
 from macattn.plugins.decode_step import DecodeStepKernels, kernels_for
 from macattn.plugins.decode_step.reference import rotate_half
 
@@ -77,6 +79,25 @@ class _Linear:
         """The tensors this projection reads (for byte counts)."""
         own = [self.weight] if self.weight is not None else [self.wq, self.scale]
         return own + ([self.bias] if self.bias is not None else [])
+
+
+class _AllReduced:
+    """A row-parallel projection of a tensor-parallel shard (``models.tensor_parallel``): the rank's partial
+    product, summed over the ranks by the module's collectives."""
+
+    def __init__(self, linear: _Linear, comm) -> None:
+        self.linear, self.comm = linear, comm
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(self.linear(x).contiguous())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.linear.tensors()
+
+
+def _row_parallel(linear: _Linear, module) -> _Linear | _AllReduced:
+    """``linear`` (the weights of ``module``), all-reduced when ``module`` is row-parallel."""
+    return _AllReduced(linear, module.comm) if isinstance(module, RowParallelLinear) else linear
 
 
 def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -130,8 +151,8 @@ class _FusedLayer(nn.Module):
             raise ValueError("FusedForward takes LLaMA-style MLP / O projections without biases")
         self.qkv = _Linear(self.qkv_weight, self.qkv_bias, quantization)
         self.gate_up = _Linear(self.gate_up_weight, None, quantization)
-        self.o = _Linear(attn.o_proj.weight, None, quantization)
-        self.down = _Linear(mlp.down_proj.weight, None, quantization)
+        self.o = _row_parallel(_Linear(attn.o_proj.weight, None, quantization), attn.o_proj)
+        self.down = _row_parallel(_Linear(mlp.down_proj.weight, None, quantization), mlp.down_proj)
         self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
 
     def attention(self, h: torch.Tensor, B: int, T: int, cos: torch.Tensor, sin: torch.Tensor, attention_mask,

@@ -43,7 +43,7 @@ class MacAttention(AttentionMethod):
     config_type: ClassVar[type] = MacConfig
     capabilities: ClassVar[Capabilities] = Capabilities(
         paged_kv=True, cuda_graphs=True, onnx_export=True, tensorrt_plugin=True, needs_pre_rope_query=True,
-        miss_policies=ENGINE_MISS_POLICIES)
+        miss_policies=ENGINE_MISS_POLICIES, head_sharded=True)
 
     def __init__(self, config: MacConfig, dims: ModelDims, *, num_slots: int,
                  query_dtype: torch.dtype | None = None) -> None:

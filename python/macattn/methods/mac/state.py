@@ -95,7 +95,13 @@ class MacDiagnostics:
 
     def request(self, slot: int) -> dict[str, float]:
         """The request in ``slot``: MAC hit rate and skipped prefix over its decode steps (reads the device)."""
-        steps, hits, skipped = self.per_slot[slot].tolist()
+        return self.request_of(self.per_slot[slot].tolist())
+
+    @staticmethod
+    def request_of(counts) -> dict[str, float]:
+        """``request``'s figures from a slot's ``(head-steps, hits, skipped)`` (summed over the heads of
+        several tensor-parallel ranks, or one ``per_slot`` row)."""
+        steps, hits, skipped = counts
         if not steps:
             return {}
         return {"mac_hit_rate": hits / steps, "mac_kv_skip": skipped / steps}

@@ -1,0 +1,297 @@
+"""Tensor parallelism on the CPU over gloo (``runtime/tensor_parallel.py``): TP = 2 and 4 equal TP = 1
+(logits <= 1e-5 fp32, identical greedy tokens over 64 steps, identical MAC hit decisions) for the three
+families with MAC on and off; in-flight batching under TP equals solo runs; clear errors before any
+process starts; a killed worker, and a killed rank 0, stop the group within its timeout with no
+process left behind.
+
+The worker groups are shared by the tests of one size (``TensorParallelGroup.get``); the failure tests
+start their own (another ``tp_timeout_s``)."""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _tiny import prompts
+
+from macattn.methods.mac.config import MacConfig
+from macattn.models.builtin import build_builtin_model
+from macattn.models.tensor_parallel import ShardLayout
+from macattn.runtime import LLMEngine, ModelRunner, RuntimeConfig
+from macattn.runtime.tensor_parallel import TensorParallelError, TensorParallelGroup
+
+# divisible by 4 in heads, KV heads and MLP width; the vocabulary (250) is not: the last rank's rows are padding
+TP_SHAPES = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=16, vocab_size=250, max_position_embeddings=256)
+MAC = MacConfig(window=16, band=4, tau=0.2)
+STEPS = 64
+
+
+def tp_model(family: str, **overrides):
+    return build_builtin_model(family, seed=3, **{**TP_SHAPES, **overrides})        # fp32
+
+
+def _prompts():
+    return [p % 250 for p in prompts(2, seed=7, lo=20, hi=40)]
+
+
+def _start_recording(executor) -> None:
+    """On one rank: keep every decode step's MAC match positions (``layer -> [B, Hq / N]``)."""
+    log = executor.match_log = []
+    inner = executor.decode_step
+
+    def recording(seqs):
+        out = inner(seqs)
+        log.append({layer: mp.clone() for layer, mp in executor.method.last_match_pos.items()})
+        return out
+
+    executor.decode_step = recording
+
+
+def _recorded(executor) -> list:
+    return executor.match_log
+
+
+def _drive(eng: LLMEngine, requests: list, *, joins: dict | None = None, record_match: bool = False) -> dict:
+    """Run ``eng`` until every request (``(prompt, max_new_tokens)``) finished; ``joins``: step -> more
+    requests submitted before that step. Returns per submission order the tokens and per-token logits and
+    (``record_match``) every decode step's MAC match positions over all heads ``layer -> [B, Hq]``."""
+    tp = eng.config.tensor_parallel_size
+    if record_match:
+        eng.executor.run_on_ranks(_start_recording) if tp > 1 else _start_recording(eng.executor)
+    order, out = [], {"tokens": {}, "logits": {}}
+    pending = dict(joins or {})
+
+    def submit(batch):
+        for p, n in batch:
+            order.append(eng.add_request(p, max_new_tokens=n))
+
+    submit(requests)
+    step = 0
+    while eng.has_unfinished() or pending:
+        submit(pending.pop(step, []))
+        for o in eng.step():
+            if o.token is not None:
+                out["tokens"].setdefault(o.request_id, []).append(o.token)
+                out["logits"].setdefault(o.request_id, []).append(o.logits.detach().clone())
+        step += 1
+    out["tokens"] = [out["tokens"][r] for r in order]
+    out["logits"] = [torch.stack(out["logits"][r]) for r in order]
+    if record_match:
+        ranks = eng.executor.run_on_ranks(_recorded) if tp > 1 else [_recorded(eng.executor)]
+        out["match"] = [{layer: torch.cat([r[i][layer] for r in ranks], dim=1) for layer in ranks[0][i]}
+                        for i in range(len(ranks[0]))]
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(family: str, mac_on: bool) -> dict:
+    eng = LLMEngine(tp_model(family), MAC if mac_on else None, RuntimeConfig(max_batch_size=2, block_size=8))
+    return _drive(eng, [(p, STEPS) for p in _prompts()], record_match=True)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("mac_on", [True, False], ids=["mac", "mac_off"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_tp_equals_tp1(family, mac_on, tp):
+    ref = _reference(family, mac_on)
+    eng = LLMEngine(tp_model(family), MAC if mac_on else None,
+                    RuntimeConfig(max_batch_size=2, block_size=8, tensor_parallel_size=tp))
+    try:
+        # a real shard: rank 0 holds its heads only, its rings too
+        assert eng.executor.local.model.config.num_attention_heads == 8 // tp
+        assert eng.method.dims.num_q_heads == 8 // tp and eng.method.dims.num_kv_heads == 4 // tp
+        got = _drive(eng, [(p, STEPS) for p in _prompts()], record_match=True)
+    finally:
+        eng.close()
+    for b in range(2):
+        assert got["tokens"][b] == ref["tokens"][b]
+        assert len(got["tokens"][b]) == STEPS
+        assert (got["logits"][b] - ref["logits"][b]).abs().max() <= 1e-5
+    assert len(got["match"]) == len(ref["match"])
+    for step, (g, r) in enumerate(zip(got["match"], ref["match"])):
+        assert g.keys() == r.keys(), step
+        for layer in r:
+            assert g[layer].shape == r[layer].shape and torch.equal(g[layer], r[layer]), (step, layer)
+    hits = sum(int((m >= 0).sum()) for s in ref["match"] for m in s.values())
+    assert (hits > 0) == mac_on          # the hit decisions compared are not all misses
+
+
+def test_in_flight_batching_equals_solo_runs():
+    """TP = 2, MAC on, chunked prefill: requests join mid-flight and leave at different lengths (two
+    slots for four requests) and each equals its solo TP = 1 run; per-request MAC metrics are summed
+    over the ranks' heads. fp64: batched and solo fp32 runs differ by rounding already at TP = 1, which
+    can flip a MAC decision at its threshold."""
+    ps = [p % 250 for p in prompts(4, seed=21, lo=18, hi=44)]
+    lengths = [30, 9, 17, 12]
+    solo = []
+    for p, n in zip(ps, lengths):
+        eng1 = LLMEngine(tp_model("llama").double(), MAC, RuntimeConfig(max_batch_size=1, block_size=8))
+        solo.append(_drive(eng1, [(p, n)]))
+    eng = LLMEngine(tp_model("llama").double(), MAC, RuntimeConfig(max_batch_size=2, block_size=8, prefill_chunk=12,
+                                                          tensor_parallel_size=2))
+    try:
+        got = _drive(eng, [(ps[0], lengths[0]), (ps[1], lengths[1])], joins={4: [(ps[2], lengths[2])],
+                                                                            11: [(ps[3], lengths[3])]})
+        metrics = [s.metrics for s in eng.requests.values()]
+    finally:
+        eng.close()
+    for i in range(4):
+        assert got["tokens"][i] == solo[i]["tokens"][0]
+        assert (got["logits"][i] - solo[i]["logits"][0]).abs().max() <= 1e-9
+    assert len(metrics) == 4 and all(0.0 <= m["mac_hit_rate"] <= 1.0 for m in metrics)
+
+
+def test_llm_api_tp2_equals_tp1():
+    from macattn import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=12, temperature=0)
+    with LLM("builtin", max_batch_size=1, max_seq_len=64) as one:
+        ref = one.generate("In the beginning", sp)
+    with LLM("builtin", max_batch_size=1, max_seq_len=64, tensor_parallel_size=2) as two:
+        got = two.generate("In the beginning", sp)
+        assert "mac_hit_rate" in got.metrics
+    assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert got.metrics["mac_hit_rate"] == pytest.approx(ref.metrics["mac_hit_rate"], abs=1e-12)
+
+
+# --- errors before any process starts -------------------------------------------------------------
+def _no_new_group(fn):
+    before = set(map(id, TensorParallelGroup._live.values()))
+    fn()
+    assert set(map(id, TensorParallelGroup._live.values())) <= before
+
+
+@pytest.mark.parametrize("overrides,tp,name", [
+    ({}, 3, "num_attention_heads=8"),
+    (dict(num_attention_heads=8, num_key_value_heads=2), 4, "num_key_value_heads=2"),
+    (dict(intermediate_size=130), 4, "intermediate_size=130"),
+])
+def test_heads_not_divisible_is_refused(overrides, tp, name):
+    model = tp_model("llama", **overrides)
+
+    def build():
+        with pytest.raises(ValueError, match=f"tensor_parallel_size={tp} must divide {name}") as err:
+            LLMEngine(model, MAC, RuntimeConfig(tensor_parallel_size=tp))
+        assert "accepted for this model" in str(err.value)
+
+    _no_new_group(build)
+    assert ShardLayout.of(model.config, 2).num_kv_heads == model.config.num_key_value_heads // 2
+
+
+def test_more_ranks_than_devices_is_refused():
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    def build():
+        with pytest.raises(ValueError, match=rf"tensor_parallel_size={visible + 2} needs CUDA devices .* but "
+                                             rf"{visible} are visible"):
+            LLMEngine(tp_model("llama"), None, RuntimeConfig(device="cuda", tensor_parallel_size=visible + 2))
+
+    _no_new_group(build)
+
+
+def test_unsharded_methods_and_bad_settings_are_refused():
+    model = tp_model("llama")
+    with pytest.raises(NotImplementedError, match=r"method='completion' cannot run with tensor_parallel_size=2.*"
+                                                  r"accepted: \['full', 'mac'\]"):
+        LLMEngine(model, None, RuntimeConfig(tensor_parallel_size=2), method="completion")
+    with pytest.raises(ValueError, match="by registry name"):
+        LLMEngine(model, None, RuntimeConfig(tensor_parallel_size=2), method=lambda n: None)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
+        RuntimeConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tp_timeout_s"):
+        RuntimeConfig(tp_timeout_s=0)
+
+
+def test_servers_take_tp(capsys):
+    from macattn.cli import build_parser, main
+
+    assert build_parser().parse_args(["serve", "--model", "builtin", "--tp", "2"]).tp == 2
+    assert build_parser().parse_args(["triton-repo", "--engine", "e", "--out", "o", "--tp", "4"]).tp == 4
+    with pytest.raises(SystemExit):
+        main(["serve", "--repo", "repo", "--tp", "2"])
+    assert "--tp 2: a model repository carries its tensor-parallel size" in capsys.readouterr().err
+
+
+def test_chunked_prompts_are_refused_under_tp():
+    runner = ModelRunner.from_hf(tp_model("llama"), MAC, tp_size=2, max_batch_size=2, block_size=8)
+    try:
+        with pytest.raises(NotImplementedError, match="A3 chunked prompts"):
+            runner.generate([torch.tensor([1, 2])], documents=[[torch.tensor([3, 4, 5])]],
+                            question_ids=[torch.tensor([6])], max_new_tokens=2)
+        out = runner.generate([torch.tensor([1, 2, 3])], max_new_tokens=3)     # the group still serves
+        assert out.shape == (1, 1, 6)
+    finally:
+        runner.engine.close()
+
+
+# --- failures: no hang, no process left -----------------------------------------------------------
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def test_killed_worker_stops_the_group_within_the_timeout():
+    """After every other TP = 4 test: it breaks the group they shared (or starts one when run alone)."""
+    timeout = RuntimeConfig().tp_timeout_s
+    runner = ModelRunner.from_hf(tp_model("llama"), MAC, tp_size=4, max_batch_size=2, block_size=8)
+    group = runner.engine.executor.group
+    pids = [p.pid for p in group.procs]
+    gen = runner.generate(_prompts(), max_new_tokens=40, streaming=True)
+    for _ in range(3):
+        next(gen)
+    os.kill(pids[1], signal.SIGKILL)                # rank 2
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match=rf"rank 2 \(pid {pids[1]}\) exited with code -9"):
+        for _ in gen:
+            pass
+    assert time.monotonic() - t0 < timeout
+    assert all(_gone(pid) for pid in pids)          # ranks 1 and 3 exited too
+    assert group not in TensorParallelGroup._live.values()
+    with pytest.raises(TensorParallelError, match="rank 2"):          # refused from now on, no hang
+        runner.generate(_prompts(), max_new_tokens=2)
+
+
+_RANK0 = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from test_tensor_parallel import MAC, tp_model
+    from macattn.runtime import ModelRunner
+
+    if __name__ == "__main__":
+        runner = ModelRunner.from_hf(tp_model("llama"), MAC, tp_size=2, max_batch_size=2, block_size=8)
+        runner.generate([__import__("torch").tensor([1, 2, 3])], max_new_tokens=2)
+        print(*[p.pid for p in runner.engine.executor.group.procs], flush=True)
+        time.sleep(600)
+""")
+
+
+def test_killed_rank0_takes_its_workers_down(tmp_path):
+    script = tmp_path / "rank0.py"
+    script.write_text(_RANK0.format(tests=str(Path(__file__).parent)))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        line = proc.stdout.readline()
+        assert line.strip(), proc.stderr.read()[-3000:]
+        pids = [int(x) for x in line.split()]
+        assert pids and not any(_gone(p) for p in pids)
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not all(_gone(p) for p in pids):
+            time.sleep(0.1)
+        assert all(_gone(p) for p in pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
