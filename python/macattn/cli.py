@@ -68,8 +68,16 @@ def _serve_openai(args) -> int:
     from macattn.apps.llm import LLM
     from macattn.apps.openai_server import build_app
 
-    with LLM(args.model, device=args.device, max_batch_size=args.max_batch_size,
-             mac="off" if args.no_mac else None, prefill_chunk=args.prefill_chunk) as llm:
+    method = args.method or ("full" if args.no_mac else "mac")
+    completion = {}
+    if method == "completion":
+        completion = dict(completion_maps=args.completion_maps, kv_offload=args.kv_offload,
+                          prefix_store=args.prefix_store)
+    elif args.kv_offload or args.prefix_store or args.completion_maps:
+        raise ValueError(f"--kv-offload / --prefix-store / --completion-maps need --method completion, got {method!r}")
+    with LLM(args.model, device=args.device, max_batch_size=args.max_batch_size, method=method,
+             mac=("off" if args.no_mac else None) if method == "mac" else None, prefill_chunk=args.prefill_chunk,
+             max_seq_len=args.max_seq_len, **completion) as llm:
         name = args.served_model_name or ("builtin" if args.model == "builtin" else str(args.model))
         # uvicorn stops on SIGINT / SIGTERM (no new connections, in-flight requests get the grace period),
         # then re-raises the signal under the handlers it found: these swallow it, so the exit status is 0
@@ -148,6 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--device", default="cpu")
     srv.add_argument("--max-batch-size", type=int, default=8)
     srv.add_argument("--no-mac", action="store_true", help="full attention instead of MAC (OpenAI server)")
+    srv.add_argument("--method", choices=("mac", "full", "completion"), default=None,
+                     help="attention method (OpenAI server; default mac, or full with --no-mac)")
+    srv.add_argument("--kv-offload", choices=("host",), default=None,
+                     help="--method completion: prompt KV in host memory, selected pages fetched per step")
+    srv.add_argument("--prefix-store", default=None,
+                     help="--kv-offload host: directory where prompts' KV persist (requests send reuse_prefix: true)")
+    srv.add_argument("--completion-maps", default=None,
+                     help="--method completion: distilled feature maps directory (default: untrained init)")
+    srv.add_argument("--max-seq-len", type=int, default=None, help="prompt + generated tokens per request")
     srv.add_argument("--prefill-chunk", type=int, default=None,
                      help="prompt tokens prefilled per engine step, between decode steps (OpenAI server; "
                           "default: whole prompts)")
