@@ -172,6 +172,7 @@ class OffloadedKV(SlotPool):
     in_use: torch.Tensor
     _free: list[int] = field(default_factory=list, repr=False)
     use_kernels: bool = False
+    completion: bool = True
     _host_tokens: dict = field(default_factory=dict, repr=False)
     _copy_stream: object = None
     _events: list = field(default_factory=list, repr=False)
@@ -179,11 +180,15 @@ class OffloadedKV(SlotPool):
     @classmethod
     def allocate(cls, cfg: CompletionConfig, off: OffloadConfig, *, num_layers: int, num_slots: int,
                  num_kv_heads: int, head_dim: int, feature_dim: int, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", use_kernels: bool | None = None) -> "OffloadedKV":
+                 device: torch.device | str = "cpu", use_kernels: bool | None = None, completion: bool = True,
+                 host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> "OffloadedKV":
         """``cfg``: the method's config (``selector="quest"`` with a fixed ``top_k``: pages of ``page_size``,
         ``pages_for(top_k)`` of them per KV head and step). ``use_kernels`` (None: on CUDA): the Triton page
-        selector, gather and tail, else the torch / fp64 reference twins. ``ValueError`` naming the budget or
-        parameter when the slots do not fit (nothing allocated)."""
+        selector, gather and tail, else the torch / fp64 reference twins. ``completion=False``: the Top-k-only
+        baseline (softmax over the exact set; log φ_k pages never fetched). ``host``: existing host tensors
+        ``(k, v, log_phi_k)`` of the shapes in the module docstring (e.g. one request's pages expanded over the
+        slots, for a benchmark of requests with one prompt), used instead of allocating. ``ValueError`` naming
+        the budget or parameter when the slots do not fit (nothing allocated)."""
         for name, val in (("num_layers", num_layers), ("num_slots", num_slots), ("num_kv_heads", num_kv_heads),
                           ("head_dim", head_dim), ("feature_dim", feature_dim)):
             check_int(name, val, 1)
@@ -209,21 +214,28 @@ class OffloadedKV(SlotPool):
         A = cfg.n_sink + cfg.n_tail + off.max_generated
         C = off.hot_pages
 
-        def host(*shape, dt):
+        def alloc_host(*shape, dt):
             return torch.zeros(*shape, dtype=dt, pin_memory=gpu)
 
         def dev(*shape, dt=torch.float32, fill=0):
             return [torch.full(shape, fill, dtype=dt, device=device) for _ in range(L)]
 
         i64 = dict(dtype=torch.int64, device=device)
-        st = cls(cfg, off, host(S, L, H, P, page, d, dt=dtype), host(S, L, H, P, page, d, dt=dtype),
-                 host(S, L, H, P, page, F, dt=torch.float32), dev(S, H, A, d, dt=dtype), dev(S, H, A, d, dt=dtype),
+        if host is not None:
+            shapes = [(S, L, H, P, page, d)] * 2 + [(S, L, H, P, page, F)]
+            if [tuple(t.shape) for t in host] != shapes:
+                raise ValueError(f"host tensors must have shapes {shapes}, got {[tuple(t.shape) for t in host]}")
+            hk, hv, hl = host
+        else:
+            hk, hv, hl = (alloc_host(S, L, H, P, page, d, dt=dtype), alloc_host(S, L, H, P, page, d, dt=dtype),
+                          alloc_host(S, L, H, P, page, F, dt=torch.float32))
+        st = cls(cfg, off, hk, hv, hl, dev(S, H, A, d, dt=dtype), dev(S, H, A, d, dt=dtype),
                  dev(S, H, P, d), dev(S, H, P, d), dev(S, H, F, d), dev(S, H, F), dev(S, H, F),
                  dev(S, H, C * page, d, dt=dtype), dev(S, H, C * page, d, dt=dtype), dev(S, H, C * page, F),
                  dev(S, H, P + 1, dt=torch.int64, fill=-1), dev(S, H, C + 1, dt=torch.int64, fill=-1),
                  dev(S, H, C + 1, dt=torch.int64, fill=-1), torch.zeros(S, **i64), torch.zeros(S, **i64),
                  torch.zeros(S, **i64), torch.zeros(S, **i64), torch.zeros(S, **i64), torch.zeros(1, **i64), torch.zeros(S, dtype=torch.bool),
-                 list(range(S - 1, -1, -1)), gpu if use_kernels is None else use_kernels)
+                 list(range(S - 1, -1, -1)), gpu if use_kernels is None else use_kernels, bool(completion))
         if gpu and off.prefetch == "query":
             st._copy_stream = torch.cuda.Stream(device)
             st._events = [torch.cuda.Event() for _ in range(L)]
@@ -268,11 +280,11 @@ class OffloadedKV(SlotPool):
 
     # --- admission (prefill) -------------------------------------------------------------------
     def admit_layer(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor, log_phi_k: torch.Tensor,
-                    comp: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+                    comp: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *, write_host: bool = True) -> None:
         """Request ``slot``'s prefill of ``layer``: ``k / v [Hkv, N, d]`` (post-RoPE keys), ``log_phi_k [Hkv, N,
         F]`` fp32, ``comp = (A [Hkv, F, d], b [Hkv, F], shift [Hkv, F])`` its completion cache. Pages go to
         the host, sinks and tail to the anchors, bounds and the cache to the device. ``ValueError`` when
-        ``N`` exceeds ``max_prefill``."""
+        ``N`` exceeds ``max_prefill``. ``write_host=False``: the host pages hold this prompt already."""
         self._check_slot(slot)
         check_int("layer", layer, 0, self.num_layers - 1)
         H, N, d = k.shape
@@ -286,10 +298,11 @@ class OffloadedKV(SlotPool):
             flat[:, :N].copy_(x, non_blocking=True)
             flat[:, N:n_pages * page].zero_()
 
-        self._host_tokens[slot] = max(self._host_tokens.get(slot, 0), N)
-        to_host(self.host_k[slot, layer], k.to(self.host_k.dtype))
-        to_host(self.host_v[slot, layer], v.to(self.host_v.dtype))
-        to_host(self.host_lpk[slot, layer], log_phi_k.float())
+        if write_host:
+            self._host_tokens[slot] = max(self._host_tokens.get(slot, 0), N)
+            to_host(self.host_k[slot, layer], k.to(self.host_k.dtype))
+            to_host(self.host_v[slot, layer], v.to(self.host_v.dtype))
+            to_host(self.host_lpk[slot, layer], log_phi_k.float())
         p = partition(N, N, n_sink=self.cfg.n_sink, n_tail=self.cfg.n_tail)
         anchors = torch.cat([torch.arange(p.mid_start), torch.arange(p.mid_end, N)]).to(k.device)
         n_anchor = anchors.numel()
@@ -356,7 +369,8 @@ class OffloadedKV(SlotPool):
         else:
             self.hits += (valid & ~miss).sum((1, 2))
             self.misses += miss.sum((1, 2))
-        for src, dst in ((self.host_k, self.cache_k), (self.host_v, self.cache_v), (self.host_lpk, self.cache_lpk)):
+        tiers = ((self.host_k, self.cache_k), (self.host_v, self.cache_v), (self.host_lpk, self.cache_lpk))
+        for src, dst in tiers if self.completion else tiers[:2]:
             gather_pages(src[:, layer], dst[layer], pages, slots, miss, use_kernel=self.use_kernels)
         page = self.page_size
         off = torch.arange(page, device=pages.device)
@@ -380,7 +394,8 @@ class OffloadedKV(SlotPool):
         args = (q_all, self.anchor_k[layer], self.anchor_v[layer], seq_lens, n_prefill, lpq_all, self.comp_a[layer],
                 self.comp_b[layer], self.comp_shift[layer], positions)
         kw = dict(retrieved=(self.cache_k[layer], self.cache_v[layer], self.cache_lpk[layer]), rows=rows,
-                  anchors_compact=True, n_sink=cfg.n_sink, n_tail=cfg.n_tail, top_k=self.budget_pages,
+                  anchors_compact=True, n_sink=cfg.n_sink, n_tail=cfg.n_tail,
+                  top_k=self.budget_pages if self.completion else 1 << 30,      # >= every mid: no completion
                   page_size=cfg.page_size, scale=scale)
         if self.use_kernels:
             from macattn.plugins.retrieval_completion.op import decode_retrieved_triton
