@@ -28,7 +28,8 @@ def _cmd_triton_repo(args) -> int:
                                   max_batch_size=args.max_batch_size, block_size=args.block_size,
                                   device=args.device, torch_num_threads=args.torch_threads,
                                   sys_path=(args.sys_path.split(":") if args.sys_path else None),
-                                  sync_model=not args.no_sync_model, tokenizer_dir=args.tokenizer_dir)
+                                  sync_model=not args.no_sync_model, tokenizer_dir=args.tokenizer_dir,
+                                  completion=_completion_json(args))
     for d in dirs:
         print(f"wrote {d}")
     if not any(d.name == "ensemble" for d in dirs):
@@ -36,6 +37,18 @@ def _cmd_triton_repo(args) -> int:
     print(f"serve with: macattn serve --repo {args.out}  (the nvidia-pytriton wheel's tritonserver; or any "
           f"tritonserver with the Python backend: --model-repository={args.out})")
     return 0
+
+
+def _completion_json(args) -> str | None:
+    """``triton-repo``'s retrieval-completion options as the model's ``completion`` parameter (None: MAC)."""
+    if not args.completion:
+        if args.kv_offload or args.prefix_store or args.completion_maps:
+            raise ValueError("--kv-offload / --prefix-store / --completion-maps need --completion")
+        return None
+    from macattn.runtime.completion_setup import completion_options_to_json
+
+    return completion_options_to_json(maps=args.completion_maps, kv_offload=args.kv_offload,
+                                      prefix_store=args.prefix_store)
 
 
 def _cmd_serve(args) -> int:
@@ -144,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="':'-separated site-packages for model.py (default: this interpreter's)")
     tri.add_argument("--per-layer", default=None, help="MacConfig JSON overriding the engine's MAC config")
     tri.add_argument("--no-sync-model", action="store_true", help="write only the decoupled streaming model")
+    tri.add_argument("--completion", action="store_true", help="retrieval-completion instead of MAC")
+    tri.add_argument("--kv-offload", choices=("host",), default=None,
+                     help="--completion: prompt KV in host memory, selected pages fetched per step")
+    tri.add_argument("--prefix-store", default=None,
+                     help="--completion --kv-offload host: directory of persisted prompts (input reuse_prefix)")
+    tri.add_argument("--completion-maps", default=None, help="--completion: distilled feature maps directory")
     tri.add_argument("--tokenizer-dir", default=None,
                      help="tokenizer for the text ensemble (default: the engine's hf/ when it holds one)")
     tri.set_defaults(func=_cmd_triton_repo)

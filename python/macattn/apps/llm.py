@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from macattn.methods.mac.config import MacConfig
+from macattn.runtime.completion_setup import completion_method
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.engine import LLMEngine
 from macattn.runtime.sampling import SamplingParams as EngineSampling
@@ -194,7 +195,7 @@ class LLM:
         rc = RuntimeConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device,
                            use_cuda_graphs=device.startswith("cuda") if use_cuda_graphs is None else use_cuda_graphs,
                            quantization=quantization, prefill_chunk=prefill_chunk)
-        engine_method, method_config, method_kwargs = _completion_method(
+        engine_method, method_config, method_kwargs = completion_method(
             hf, method, completion=completion, maps=completion_maps, kv_offload=kv_offload, offload=offload,
             prefix_store=prefix_store)
         self.engine = LLMEngine(hf, mac_config, rc, method=engine_method, method_config=method_config,
@@ -296,46 +297,6 @@ class LLM:
                             [CompletionOutput(0, logprobs=[] if sp.logprobs is not None else None,
                                               cumulative_logprob=0.0 if sp.logprobs is not None else None)])
         return seq, sp, out
-
-
-KV_OFFLOAD = (None, "host")
-
-
-def _completion_method(hf, method: str, *, completion, maps, kv_offload, offload, prefix_store):
-    """The engine's ``(method name, method_config, method_kwargs)`` for ``LLM``'s retrieval-completion options
-    (the other methods take none of them)."""
-    if kv_offload not in KV_OFFLOAD:
-        raise ValueError(f"kv_offload must be one of {KV_OFFLOAD}, got {kv_offload!r}")
-    if method != "completion":
-        given = [n for n, v in (("completion", completion), ("completion_maps", maps), ("kv_offload", kv_offload),
-                                ("offload", offload), ("prefix_store", prefix_store)) if v is not None]
-        if given:
-            raise ValueError(f"{given[0]} is retrieval-completion's option; method={method!r} takes none")
-        return method, None, None
-    from macattn.methods.completion.config import CompletionConfig
-    from macattn.methods.completion.feature_maps import CompletionFeatureMaps, load_feature_maps
-
-    cfg = completion if completion is not None else CompletionConfig(selector="quest" if kv_offload else "exact")
-    if not isinstance(cfg, CompletionConfig):
-        raise TypeError(f"completion must be a CompletionConfig, got {type(cfg).__name__}")
-    if maps is None:
-        from macattn.apps.distill_completion import maps_for_model
-
-        maps = maps_for_model(hf, feature_dim=cfg.feature_dim, hidden=cfg.hidden)
-    elif not isinstance(maps, CompletionFeatureMaps):
-        maps = load_feature_maps(maps)
-    if kv_offload is None:
-        if offload is not None or prefix_store is not None:
-            raise ValueError("offload and prefix_store need kv_offload='host'")
-        return "completion", cfg, {"maps": maps}
-    from macattn.methods.completion.offload import OffloadConfig
-    from macattn.runtime.chunk_store import model_fingerprint
-    from macattn.runtime.kv_tiers import prefix_store as make_store
-
-    if offload is not None and not isinstance(offload, OffloadConfig):
-        raise TypeError(f"offload must be an OffloadConfig, got {type(offload).__name__}")
-    store = None if prefix_store is None else make_store(prefix_store, model_id=model_fingerprint(hf))
-    return "completion_offload", cfg, {"maps": maps, "offload": offload, "store": store}
 
 
 def _record(engine: LLMEngine, tokenizer, step, seq, sp: SamplingParams, out: RequestOutput, times: list,
