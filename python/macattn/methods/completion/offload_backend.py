@@ -112,6 +112,8 @@ class OffloadedCompletion(AttentionMethod):
         got = self.store.get(seq.prompt, self.dims.dtype)
         if got is None:                              # prefill, then persist from the host pages
             logits = io.prefill_plain()
+            if self.dims.device.type == "cuda":      # the pages' device -> host copies are asynchronous
+                torch.cuda.current_stream(self.dims.device).synchronize()
             unpaged = lambda x: x[slot].flatten(2, 3)[:, :, :N].transpose(1, 2)  # noqa: E731  [L, N, Hkv, d]
             self.store.put(seq.prompt, unpaged(st.host_k), unpaged(st.host_v))
             return logits
