@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import macattn.methods.completion.ops  # noqa: E402,F401
 from macattn.methods.completion.config import CompletionConfig  # noqa: E402
-from macattn.methods.completion.offload import OffloadConfig, OffloadedKV, offload_bytes  # noqa: E402
+from macattn.methods.completion.offload import OffloadConfig, OffloadedKV, offload_bytes, pinned_zeros  # noqa: E402
 from macattn.methods.completion.reference import page_retrieval_completion_step, partition  # noqa: E402
 
 N_SINK, N_TAIL = 16, 64
@@ -292,7 +292,7 @@ def run_point(sh, B, T, args, dev, dtype) -> dict:
     P = -(-T // page)
     gpu = dev.type == "cuda"
     t0 = time.time()
-    one = [torch.zeros(1, sh.L, sh.HKV, P, page, w, dtype=dt, pin_memory=gpu)
+    one = [(pinned_zeros if gpu else torch.zeros)(1, sh.L, sh.HKV, P, page, w, dtype=dt)
            for w, dt in ((sh.D, dtype), (sh.D, dtype), (sh.F, torch.float32))]
     host = tuple(t.expand(B, *t.shape[1:]) for t in one)     # the B requests share one prompt's host pages
     log(f"  B={B} ctx={T}: pinned host pages {sum(t.numel() * t.element_size() for t in one) / 2**30:.1f} GiB "

@@ -61,7 +61,7 @@ from macattn.methods.completion.config import CompletionConfig
 from macattn.methods.completion.reference import (decode_retrieved_reference, page_bounds, partition,
                                                   select_mid_pages_reference)
 
-__all__ = ["OffloadConfig", "OffloadedKV", "PREFETCH", "lru_update", "offload_bytes"]
+__all__ = ["OffloadConfig", "OffloadedKV", "PREFETCH", "lru_update", "offload_bytes", "pinned_zeros"]
 
 PREFETCH = ("none", "query")
 
@@ -105,6 +105,25 @@ def offload_bytes(cfg: CompletionConfig, off: OffloadConfig, *, num_layers: int,
     device = L * H * (2 * A * d * e + 2 * P * d * 4 + (F * d + 2 * F) * 4 + C * page * (2 * d * e + F * 4)
                       + 8 * ((P + 1) + 2 * (C + 1)))
     return {"host": host, "device": device, "full_kv": 2 * L * H * off.max_prefill * d * e}
+
+
+def pinned_zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor page-locked with ``cudaHostRegister`` (exactly its size: torch's pinned allocator
+    rounds an allocation up to a power of two, 16 GiB for 8.6 GB of pages), unregistered when the returned
+    tensor object is freed (hold it, not only views of it);
+    ``torch.zeros(..., pin_memory=True)`` where registering fails. Registered memory is mapped into the
+    device's address space (unified addressing), so kernels read it in place."""
+    import weakref
+
+    t = torch.zeros(*shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return t
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)) != 0:
+        return t.pin_memory()
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())   # keep ``t`` (not only views of it) alive
+    return t
 
 
 def lru_update(slot_of_page: torch.Tensor, page_of_slot: torch.Tensor, stamp: torch.Tensor, pages: torch.Tensor,
@@ -215,7 +234,7 @@ class OffloadedKV(SlotPool):
         C = off.hot_pages
 
         def alloc_host(*shape, dt):
-            return torch.zeros(*shape, dtype=dt, pin_memory=gpu)
+            return pinned_zeros(*shape, dtype=dt) if gpu else torch.zeros(*shape, dtype=dt)
 
         def dev(*shape, dt=torch.float32, fill=0):
             return [torch.full(shape, fill, dtype=dt, device=device) for _ in range(L)]
