@@ -120,7 +120,8 @@ def pinned_zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     if nbytes == 0:
         return t
     cudart = torch.cuda.cudart()
-    if int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)) != 0:
+    ret = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
+    if int(getattr(ret, "value", ret)) != 0:
         return t.pin_memory()
     weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())   # keep ``t`` (not only views of it) alive
     return t
