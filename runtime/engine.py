@@ -149,8 +149,11 @@ class LLMEngine:
         return self.executor.model
 
     # --- requests -------------------------------------------------------------------------
-    def make_request(self, input_ids, sampling: SamplingParams | None = None, **sampling_kwargs) -> Sequence:
-        """Validate and build a request without queueing it (raises on any bad parameter)."""
+    def make_request(self, input_ids, sampling: SamplingParams | None = None, *, reuse_prefix: bool = False,
+                     **sampling_kwargs) -> Sequence:
+        """Validate and build a request without queueing it (raises on any bad parameter). ``reuse_prefix``:
+        load the prompt's KV from the method's prefix store (and persist it there when absent); only a
+        method with a store takes it."""
         if sampling is None:
             sampling = SamplingParams(**sampling_kwargs)
         elif sampling_kwargs:
@@ -166,7 +169,12 @@ class LLMEngine:
         if blocks.blocks_needed(total) > blocks.num_blocks:
             raise ValueError(f"input_ids too long: {total} tokens need {blocks.blocks_needed(total)} KV blocks, "
                              f"the pool has {blocks.num_blocks}")
-        return Sequence(prompt=ids, sampling=sampling, seed=sampling.make_seed())
+        self.method.check_request(len(ids), sampling.max_new_tokens)
+        if not isinstance(reuse_prefix, bool):
+            raise TypeError(f"reuse_prefix must be a bool, got {type(reuse_prefix).__name__}")
+        if reuse_prefix and getattr(self.method, "store", None) is None:
+            raise ValueError(f"reuse_prefix=True needs a method with a prefix store; {self.method.name!r} has none")
+        return Sequence(prompt=ids, sampling=sampling, seed=sampling.make_seed(), reuse_prefix=reuse_prefix)
 
     def add_request(self, input_ids, sampling: SamplingParams | None = None, **sampling_kwargs) -> int:
         """Validate and queue one request; returns its request id. Raises ``ValueError`` /

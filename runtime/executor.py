@@ -155,7 +155,8 @@ class ModelExecutor:
                 raise ValueError(f"chunked (A3) prompts need a method over the paged KV cache; "
                                  f"{self.method.name!r} keeps its own")
             return self.a3.prefill_request(PrefillIO(self, seq), seq)
-        return self.prefill_plain(seq)
+        logits = self.method.prefill_request(PrefillIO(self, seq), seq) if seq.reuse_prefix else None
+        return self.prefill_plain(seq) if logits is None else logits
 
     @torch.inference_mode()
     def prefill_plain(self, seq: Sequence) -> torch.Tensor:
@@ -275,6 +276,19 @@ class PrefillIO:
 
     def prefill_plain(self) -> torch.Tensor:
         return self._ex.prefill_plain(self._seq)
+
+    @torch.inference_mode()
+    def run_last_prompt_token(self) -> torch.Tensor:
+        """Run only the prompt's last token (position ``L - 1``) as a one-token call with the request's slot
+        and position, for a method that keeps its own KV and has loaded the rest. Returns logits ``[V]``."""
+        ex, seq = self._ex, self._seq
+        if ex.paged_kv:
+            raise ValueError("run_last_prompt_token is for methods that keep their own KV")
+        m = len(seq.prompt) - 1
+        ids = torch.tensor([[seq.prompt[-1]]], dtype=torch.int64, device=ex.device)
+        pos = torch.tensor([m], dtype=torch.int64, device=ex.device)
+        with ex.step(slots=torch.tensor([seq.slot], dtype=torch.int64), positions=pos):
+            return ex.run_model(ids, pos.view(1, 1))[0]
 
     def write_kv(self, start: int, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
         """Write post-RoPE ``k[l], v[l]`` ``[Hkv, n, d]`` of every layer at prompt positions ``start .. start+n-1``."""

@@ -17,8 +17,10 @@ Shapes (``L`` layers, ``Hkv`` KV heads, ``T`` prefill tokens, ``P = ceil(T / pag
 * hot cache ``[hot_pages, page_size, d]`` per request for ``k`` and ``v``, keyed by unit.
 
 The cache bookkeeping is on the host: ``fetch`` reads the selected page ids there (one
-synchronisation per call) and copies unit by unit; gathering misses on the GPU from mapped pinned
-memory, overlapped with the previous layer, is what the offloaded decode still needs (issue 20).
+synchronisation per call) and copies unit by unit. The offloaded decode itself runs on
+``macattn.methods.completion.offload.OffloadedKV`` (device-side LRU per layer and KV head, the page
+gather reading pinned host memory from the GPU, no host synchronisation, capturable); this module keeps
+the on-disk tier (``prefix_store``) that the ``completion_offload`` engine method persists prompts to.
 
 Capacity (host bytes over all requests, device bytes per request) is checked at ``admit``, before
 anything is allocated, with an error naming the budget. ``KVTiers`` is a per-slot state

@@ -40,6 +40,8 @@ class Sequence:
     # the attention method's figures of this request, set when it finishes (``request_metrics``)
     metrics: dict = field(default_factory=dict)
     num_prefilled: int = 0                    # prompt tokens whose KV is written (chunked prefill)
+    # load the prompt's KV from the method's prefix store when there (and persist it when not)
+    reuse_prefix: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -62,7 +62,8 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-_OPTIONAL = {"end_id": int, "temperature": float, "top_k": int, "top_p": float, "random_seed": int}
+_OPTIONAL = {"end_id": int, "temperature": float, "top_k": int, "top_p": float, "random_seed": int,
+             "reuse_prefix": bool}
 
 
 class _Pending:
@@ -111,7 +112,20 @@ class TritonPythonModel:
                            block_size=int(params.get("block_size", "16")), device=params.get("device", "cpu"),
                            **({"tensor_parallel_size": tp} if tp != 1 else {}))
         mac = MacConfig.from_dict(json.loads(params["mac_config"])) if "mac_config" in params else None
-        self.engine = ModelRunner.from_dir(params["engine_dir"], mac_config=mac, runtime_config=rc).engine
+        if "completion" in params:       # retrieval-completion (kv_offload, prefix store): runtime/completion_setup.py
+            from transformers import AutoModelForCausalLM
+
+            from macattn.runtime.completion_setup import completion_method, completion_options_from_json
+            from macattn.runtime.engine_dir import read_engine_dir
+
+            hf = AutoModelForCausalLM.from_pretrained(str(read_engine_dir(params["engine_dir"]).hf_dir),
+                                                      attn_implementation="sdpa", dtype="auto")
+            name, method_config, method_kwargs = completion_method(hf, "completion",
+                                                                   **completion_options_from_json(params["completion"]))
+            self.engine = ModelRunner.from_hf(hf, None, runtime_config=rc, method=name, method_config=method_config,
+                                              method_kwargs=method_kwargs).engine
+        else:
+            self.engine = ModelRunner.from_dir(params["engine_dir"], mac_config=mac, runtime_config=rc).engine
         # A3 chunked prompts (optional input rag_lengths): fusion config from the a3_config parameter
         from macattn.methods.a3.config import A3Config
         from macattn.runtime.chunk_store import ChunkKVStore, model_fingerprint

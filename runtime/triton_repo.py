@@ -15,7 +15,8 @@ Token-id model inputs: ``input_ids`` INT64 ``[-1]``, ``max_new_tokens`` INT32 ``
 INT32, ``top_p`` FP32, ``random_seed`` INT64, ``stream`` BOOL (all ``[1]``), ``stop_words`` /
 ``bad_words`` INT32 ``[2, -1]`` (TensorRT-LLM's word lists; bad words are refused),
 ``rag_lengths`` INT32 ``[-1]`` (an A3 chunked prompt: ``[len(system), len(chunk_1), …]``,
-question = the rest of ``input_ids``; ``docs/a3.md``). Output: ``output_ids`` INT64 ``[-1]`` — the
+question = the rest of ``input_ids``; ``docs/a3.md``), ``reuse_prefix`` BOOL ``[1]`` (with the
+``completion`` parameter's prefix store: load the prompt's KV instead of prefilling it). Output: ``output_ids`` INT64 ``[-1]`` — the
 generated tokens (not the prompt; the end token is not emitted). The decoupled model sends one
 response per token, the last one flagged final (an empty final response if the request ends on
 ``end_id``), or one response with every token when ``stream`` is false.
@@ -32,7 +33,9 @@ Parameters (``config.pbtxt``, written now and read by ``model.py`` at load time)
 adds itself — the Python backend stub ignores ``PYTHONPATH``), ``mac_config`` (JSON
 ``MacConfig.to_dict()``) plus ``mac_window`` / ``mac_band`` / ``mac_tau`` / ``mac_enabled``
 for reading, ``max_batch_size``, ``block_size``, ``device``, ``torch_num_threads``,
-``tensor_parallel_size`` (ranks the model is sharded over, ``runtime/tensor_parallel.py``).
+``tensor_parallel_size`` (ranks the model is sharded over, ``runtime/tensor_parallel.py``); optionally
+``completion`` (JSON of ``completion_setup.completion_options_to_json``: retrieval-completion instead of
+MAC, e.g. with ``kv_offload="host"`` and a prefix store).
 """
 from __future__ import annotations
 
@@ -56,7 +59,8 @@ _INPUTS = [("input_ids", "TYPE_INT64", (-1,), False), ("max_new_tokens", "TYPE_I
            ("top_p", "TYPE_FP32", (1,), True), ("random_seed", "TYPE_INT64", (1,), True),
            ("stream", "TYPE_BOOL", (1,), True), ("stop_words", "TYPE_INT32", (2, -1), True),
            ("bad_words", "TYPE_INT32", (2, -1), True),
-           ("rag_lengths", "TYPE_INT32", (-1,), True)]   # A3 chunked prompt, see a3_assembly.split_rag_prompt
+           ("rag_lengths", "TYPE_INT32", (-1,), True),   # A3 chunked prompt, see a3_assembly.split_rag_prompt
+           ("reuse_prefix", "TYPE_BOOL", (1,), True)]    # completion with a prefix store: load the prompt's KV
 _OUTPUTS = [("output_ids", "TYPE_INT64", (-1,))]
 _PRE_INPUTS = [("QUERY", "TYPE_STRING", (1,), False), ("REQUEST_OUTPUT_LEN", "TYPE_INT32", (1,), False),
                ("BAD_WORDS_DICT", "TYPE_STRING", (-1,), True), ("STOP_WORDS_DICT", "TYPE_STRING", (-1,), True),
@@ -168,8 +172,10 @@ def write_model_repository(engine_dir: str | Path, out: str | Path, *, name: str
                            mac_config: MacConfig | None = None, max_batch_size: int = 8, block_size: int = 16,
                            device: str = "cpu", torch_num_threads: int = 0, sys_path: list[str] | None = None,
                            sync_model: bool = True, tokenizer_dir: str | Path | None = None,
-                           tensor_parallel_size: int = 1) -> list[Path]:
+                           tensor_parallel_size: int = 1, completion: str | None = None) -> list[Path]:
     """Write the repository; returns the model directories. ``mac_config`` None = the engine's.
+    ``completion``: retrieval-completion instead of MAC, as ``completion_setup.completion_options_to_json``
+    (e.g. ``kv_offload="host"`` with a prefix store; parsed here so a bad value fails now).
     ``tokenizer_dir``: the text models' tokenizer (None: the engine's ``hf/`` when it holds one;
     without any, only the token-id models are written)."""
     engine_dir = Path(engine_dir).resolve()
@@ -190,6 +196,11 @@ def write_model_repository(engine_dir: str | Path, out: str | Path, *, name: str
         "max_batch_size": str(max_batch_size), "block_size": str(block_size), "device": device,
         "torch_num_threads": str(int(torch_num_threads)), "tensor_parallel_size": str(tensor_parallel_size),
     }
+    if completion is not None:
+        from macattn.runtime.completion_setup import completion_options_from_json
+
+        completion_options_from_json(completion)
+        params["completion"] = completion
     out = Path(out)
     src = Path(__file__).with_name("triton_model.py")
     written = []

@@ -14,9 +14,16 @@ Per-row ranges (``N = n_prefill[b]``, ``L = seq_lens[b]``): mid ``[s0, m1)`` wit
   would leave most SMs idle). Per chunk: online softmax partials ``(m, l, acc)`` over its items
   (gathered rows; a retrieved position outside the row's mid is padding and skipped) and, for its
   retrieved tokens, the subtraction partials ``Σ w`` and ``Wᵀ V`` (``tl.dot``, fp32 IEEE).
+  Where the rows live is the caller's (constexprs): the retrieved positions are per query head
+  (``IDX_GROUP = 1``, Top-k) or per KV head (``IDX_GROUP = GROUP``, pages); anchors at their
+  positions of the cache, or stored in item order (``ANCHOR_COMPACT``: sinks then tail + generated,
+  the offloaded decode's device rows); retrieved tokens read from the cache at their positions, or
+  from a buffer of their own at the rows ``rows_ptr`` gives (``RET_ROWS``: the offloaded decode's
+  hot-page cache).
 * ``_decode_merge``: grid ``(B, Hq)``. Merges the ``S`` partials, subtracts from the cache with the
   clamp, adds the completion weights ``exp(a_f + log b'_f - m)`` and normalises once. The
-  completion term is skipped when ``top_k >= |M|`` (the step is exact, as in the reference).
+  completion term is skipped when the retrieved set covers the mid (``_use_completion``; the step
+  is exact, as in the reference).
 
 All accumulation is fp32. Positions index ``T`` with ``int64`` offsets.
 """
@@ -27,7 +34,7 @@ import triton.language as tl
 
 from ..triton_softmax import online_softmax_update
 
-__all__ = ["_completion_cache", "_mid_logits", "_decode_partial", "_decode_merge"]
+__all__ = ["_completion_cache", "_mid_logits", "_decode_partial", "_decode_merge", "_use_completion"]
 
 
 @triton.jit
@@ -103,10 +110,24 @@ def _mid_logits(q_ptr, k_ptr, npf_ptr, out_ptr, s_kb, s_kh, s_kt, HKV, T, D, n_s
 
 
 @triton.jit
-def _decode_partial(q_ptr, k_ptr, v_ptr, sl_ptr, npf_ptr, lpk_ptr, shift_ptr, idx_ptr,
+def _use_completion(s0, m1, top_k, PAGE: tl.constexpr):
+    """Whether the retrieved set misses part of the mid ``[s0, m1)`` (else the step is exact): Top-k
+    tokens (``PAGE = 0``): ``top_k < m1 - s0``; pages (``top_k`` pages of ``PAGE`` tokens on absolute
+    positions, the selectable ones those overlapping the mid): ``top_k`` < their count."""
+    if PAGE == 0:
+        use = top_k < m1 - s0
+    else:
+        use = (m1 > s0) & (top_k < (m1 + PAGE - 1) // PAGE - s0 // PAGE)
+    return use
+
+
+@triton.jit
+def _decode_partial(q_ptr, k_ptr, v_ptr, sl_ptr, npf_ptr, kr_ptr, vr_ptr, lpk_ptr, shift_ptr, idx_ptr, rows_ptr,
                     pm_ptr, pl_ptr, pacc_ptr, psb_ptr, psa_ptr,
-                    s_kb, s_kh, s_kt, s_lb, s_lh, s_lt, HQ, HKV, D, F, K, n_sink, n_tail, top_k, scale,
-                    GROUP: tl.constexpr, D_P: tl.constexpr, F_P: tl.constexpr, BLOCK_K: tl.constexpr):
+                    s_kb, s_kh, s_kt, s_rb, s_rh, s_rt, s_lb, s_lh, s_lt, s_ib, s_ih,
+                    HQ, HKV, D, F, K, n_sink, n_tail, top_k, scale,
+                    GROUP: tl.constexpr, IDX_GROUP: tl.constexpr, PAGE: tl.constexpr, RET_ROWS: tl.constexpr,
+                    ANCHOR_COMPACT: tl.constexpr, D_P: tl.constexpr, F_P: tl.constexpr, BLOCK_K: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2)
@@ -115,7 +136,7 @@ def _decode_partial(q_ptr, k_ptr, v_ptr, sl_ptr, npf_ptr, lpk_ptr, shift_ptr, id
     row = b * HQ + h
     s0, m1 = _mid_range(npf_ptr, b, n_sink, n_tail)
     L = tl.load(sl_ptr + b).to(tl.int32)
-    use_comp = tl.minimum(top_k, m1 - s0) < m1 - s0
+    use_comp = _use_completion(s0, m1, top_k, PAGE)
     dd = tl.arange(0, D_P)
     dm = dd < D
     ff = tl.arange(0, F_P)
@@ -123,7 +144,10 @@ def _decode_partial(q_ptr, k_ptr, v_ptr, sl_ptr, npf_ptr, lpk_ptr, shift_ptr, id
     q = tl.load(q_ptr + row * D + dd, mask=dm, other=0.0).to(tl.float32)
     k_base = k_ptr + b * s_kb + g * s_kh
     v_base = v_ptr + b * s_kb + g * s_kh
+    kr_base = kr_ptr + b * s_rb + g * s_rh
+    vr_base = vr_ptr + b * s_rb + g * s_rh
     lpk_base = lpk_ptr + b * s_lb + g * s_lh
+    idx_base = b * s_ib + (h // IDX_GROUP) * s_ih
     shift = tl.load(shift_ptr + (b * HKV + g) * F + ff, mask=fm, other=0.0)
 
     # items: the anchors [0, s0) ∪ [m1, L), then the K retrieved slots; this split takes one chunk
@@ -141,18 +165,35 @@ def _decode_partial(q_ptr, k_ptr, v_ptr, sl_ptr, npf_ptr, lpk_ptr, shift_ptr, id
         jj = j0 + tl.arange(0, BLOCK_K)
         inb = jj < hi
         is_ret = inb & (jj >= n_anchor)
-        pos = tl.load(idx_ptr + row * K + (jj - n_anchor), mask=is_ret, other=-1)
-        is_ret = is_ret & (pos >= s0) & (pos < m1)          # padding picks (mid shorter than top_k) drop out
-        anchor = tl.where(jj < s0, jj, jj - s0 + m1)
-        valid = (inb & (jj < n_anchor)) | is_ret
-        tt = tl.where(is_ret, pos, tl.where(valid, anchor, 0)).to(tl.int64)
-        k = tl.load(k_base + tt[:, None] * s_kt + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
-        v = tl.load(v_base + tt[:, None] * s_kt + dd[None, :], mask=valid[:, None] & dm[None, :],
-                    other=0.0).to(tl.float32)
-        s = tl.where(valid, tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
+        pos = tl.load(idx_ptr + idx_base + (jj - n_anchor), mask=is_ret, other=-1)
+        is_ret = is_ret & (pos >= s0) & (pos < m1)          # padding picks / tokens of a page outside the mid drop out
+        is_anc = inb & (jj < n_anchor)
+        if ANCHOR_COMPACT:                                   # anchors stored in item order: row = item
+            ta = tl.where(is_anc, jj, 0).to(tl.int64)
+        else:                                                # anchors at their positions
+            ta = tl.where(is_anc, tl.where(jj < s0, jj, jj - s0 + m1), 0).to(tl.int64)
+        if RET_ROWS:                                         # retrieved rows of their own buffer
+            tr = tl.load(rows_ptr + idx_base + (jj - n_anchor), mask=is_ret, other=0).to(tl.int64)
+        else:
+            tr = tl.where(is_ret, pos, 0).to(tl.int64)
+        valid = is_anc | is_ret
+        if ANCHOR_COMPACT or RET_ROWS:                       # two buffers: one masked load from each
+            ka = tl.load(k_base + ta[:, None] * s_kt + dd[None, :], mask=is_anc[:, None] & dm[None, :], other=0.0)
+            va = tl.load(v_base + ta[:, None] * s_kt + dd[None, :], mask=is_anc[:, None] & dm[None, :], other=0.0)
+            kr = tl.load(kr_base + tr[:, None] * s_rt + dd[None, :], mask=is_ret[:, None] & dm[None, :], other=0.0)
+            vr = tl.load(vr_base + tr[:, None] * s_rt + dd[None, :], mask=is_ret[:, None] & dm[None, :], other=0.0)
+            k = tl.where(is_ret[:, None], kr.to(tl.float32), ka.to(tl.float32))
+            v = tl.where(is_ret[:, None], vr.to(tl.float32), va.to(tl.float32))
+        else:                                                # one cache (kr is k): one gather
+            tt = tl.where(is_ret, tr, ta)
+            k = tl.load(k_base + tt[:, None] * s_kt + dd[None, :], mask=valid[:, None] & dm[None, :],
+                        other=0.0).to(tl.float32)
+            v = tl.load(v_base + tt[:, None] * s_kt + dd[None, :], mask=valid[:, None] & dm[None, :],
+                        other=0.0).to(tl.float32)
+        s = tl.where(valid, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
         m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, AXIS=0, BASE2=False)
         if use_comp:
-            lp = tl.load(lpk_base + tt[:, None] * s_lt + ff[None, :], mask=is_ret[:, None] & fm[None, :],
+            lp = tl.load(lpk_base + tr[:, None] * s_lt + ff[None, :], mask=is_ret[:, None] & fm[None, :],
                          other=float("-inf"))
             w = tl.exp(lp - shift[None, :])                  # [BLOCK_K, F_P], 0 off the retrieved tokens
             sub_b += tl.sum(w, axis=0)
@@ -169,13 +210,14 @@ def _decode_partial(q_ptr, k_ptr, v_ptr, sl_ptr, npf_ptr, lpk_ptr, shift_ptr, id
 @triton.jit
 def _decode_merge(npf_ptr, lpq_ptr, a_ptr, b_ptr, shift_ptr, pm_ptr, pl_ptr, pacc_ptr, psb_ptr, psa_ptr, out_ptr,
                   HQ, HKV, D, F, n_sink, n_tail, top_k, N_SPLIT,
-                  GROUP: tl.constexpr, D_P: tl.constexpr, F_P: tl.constexpr, S_P: tl.constexpr):
+                  GROUP: tl.constexpr, PAGE: tl.constexpr, D_P: tl.constexpr, F_P: tl.constexpr,
+                  S_P: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     g = h // GROUP
     row = b * HQ + h
     s0, m1 = _mid_range(npf_ptr, b, n_sink, n_tail)
-    use_comp = tl.minimum(top_k, m1 - s0) < m1 - s0
+    use_comp = _use_completion(s0, m1, top_k, PAGE)
     dd = tl.arange(0, D_P)
     dm = dd < D
     ff = tl.arange(0, F_P)

@@ -4,7 +4,9 @@
 
 A decode step is four launches and no host sync (CUDA-graph capturable): ``_mid_logits``,
 ``torch.topk`` over them (``k = min(top_k, T)``, one row per query head), ``_decode_partial``
-(split-K over anchors + retrieved tokens) and ``_decode_merge``.
+(split-K over anchors + retrieved tokens) and ``_decode_merge``. The page variant
+(``page_retrieval_completion_triton``) selects pages with ``macattn.plugins.page_select`` instead;
+both end in ``decode_retrieved_triton`` (so does the offloaded decode, over its hot-page cache).
 Values of ``seq_lens`` / ``n_prefill`` are not range-checked here (that would sync).
 """
 from __future__ import annotations
@@ -14,10 +16,14 @@ import triton
 
 from .._triton_util import interpreting, num_sms
 from ..aot import destination
+from macattn.core.validation import check_int
+
+from ..page_select.op import select_pages
 from .checks import check_completion_cache_inputs, check_retrieval_completion_inputs, resolve_scale
 from .kernel import _completion_cache, _decode_merge, _decode_partial, _mid_logits
 
-__all__ = ["completion_cache_triton", "retrieval_completion_triton", "mid_topk_triton"]
+__all__ = ["completion_cache_triton", "retrieval_completion_triton", "mid_topk_triton", "page_retrieval_completion_triton",
+           "decode_retrieved_triton", "select_mid_pages", "mid_page_count", "page_positions"]
 
 _alloc = torch.empty   # the tests swap in a NaN-filling allocator to check every output element is written
 
@@ -89,24 +95,125 @@ def retrieval_completion_triton(q, k_cache, v_cache, seq_lens, n_prefill, log_ph
     ``out``: optional contiguous destination (TensorRT's output buffer), returned."""
     check_retrieval_completion_inputs(q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A,
                                       comp_b, comp_shift, n_sink, n_tail, top_k, scale)
-    B, Hq, d = q.shape
-    Hkv = k_cache.shape[1]
-    F = log_phi_q.shape[2]
-    group = Hq // Hkv
+    scale = resolve_scale(scale, q.shape[2])
+    out = destination(out, "out", tuple(q.shape), q.dtype, q.device, _alloc)
+    if q.shape[0] == 0:
+        return out
+    k, v = _same_strides(k_cache, v_cache)
+    idx = mid_topk_triton(q.contiguous(), k, n_prefill.contiguous(), n_sink, n_tail, top_k, scale)
+    return decode_retrieved_triton(q, k, v, seq_lens, n_prefill, log_phi_q, comp_A, comp_b, comp_shift, idx,
+                                   retrieved=(k, v, log_phi_k), n_sink=n_sink, n_tail=n_tail, top_k=top_k,
+                                   scale=scale, out=out)
+
+
+def mid_page_count(n_prefill: torch.Tensor, n_sink: int, n_tail: int, page_size: int) -> torch.Tensor:
+    """``[B]`` int64 pages (of ``page_size`` tokens on absolute positions) overlapping each row's mid
+    ``[s0, m1)``, counted from page ``n_sink // page_size`` (every such page holds mid tokens; 0 for an
+    empty mid). The rule ``_use_completion`` (kernel) and the reference
+    (``macattn.methods.completion.reference.mid_pages``) apply too. Device ops, no host sync."""
+    n = n_prefill.to(torch.int64)
+    s0 = n.clamp(max=n_sink)
+    m1 = torch.maximum(s0, n - n_tail)
+    cnt = (m1 + page_size - 1) // page_size - n_sink // page_size
+    return torch.where(m1 > s0, cnt, torch.zeros_like(cnt))
+
+
+def select_mid_pages(q, page_lo, page_hi, n_prefill, n_sink: int, n_tail: int, page_size: int, budget: int, *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """The best ``budget`` mid pages per KV head (``macattn.plugins.page_select``'s kernels over the pages
+    overlapping the mid): ``q [B, Hq, d]``, ``page_lo / page_hi [B, Hkv, P, d]`` fp32 bounds of absolute
+    pages, ``n_prefill [B]`` -> ``[B, Hkv, budget]`` int64 absolute page indices, ascending, ``-1`` past
+    the selectable pages. No host sync."""
+    check_int("page_size", page_size, 1)
+    p0 = n_sink // page_size
+    B, Hkv, P = page_lo.shape[0], page_lo.shape[1], page_lo.shape[2]
+    pages = out if out is not None else torch.empty(B, Hkv, budget, dtype=torch.int64, device=q.device)
+    if p0 >= P:
+        return pages.fill_(-1)
+    n_pages = mid_page_count(n_prefill, n_sink, n_tail, page_size)
+    select_pages(q, page_lo[:, :, p0:], page_hi[:, :, p0:], n_pages, budget, out=pages)
+    return pages.add_((pages >= 0).to(torch.int64) * p0)
+
+
+def page_positions(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Token positions ``[..., n·page_size]`` int64 of ``pages [..., n]`` (``-1`` for a ``-1`` page)."""
+    off = torch.arange(page_size, device=pages.device, dtype=torch.int64)
+    pos = pages[..., None] * page_size + off
+    return torch.where(pages[..., None] >= 0, pos, -1).flatten(-2)
+
+
+def page_retrieval_completion_triton(q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A, comp_b,
+                                     comp_shift, page_lo, page_hi, n_sink: int, n_tail: int, page_size: int,
+                                     budget_pages: int, scale: float, *, out: torch.Tensor | None = None):
+    """Retrieval-completion with the page selector instead of the exhaustive one (the GPU-resident op of the
+    offloaded setting): ``select_mid_pages`` (Quest bounds ``page_lo / page_hi [B, Hkv, P, d]`` fp32,
+    ``budget_pages`` per KV head) -> every token of the selected pages (no token refinement) -> the shared
+    split-K exact attention + completion (``decode_retrieved_triton``). Other inputs as
+    ``retrieval_completion_triton``; reference ``macattn.methods.completion.reference.page_retrieval_completion_step``.
+    ``out [B, Hq, d]`` in q's dtype. No host sync (CUDA-graph capturable)."""
+    check_retrieval_completion_inputs(q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A,
+                                      comp_b, comp_shift, n_sink, n_tail, budget_pages, scale)
+    B, Hkv, d = q.shape[0], k_cache.shape[1], q.shape[2]
+    if page_lo.dim() != 4 or page_lo.shape[:2] != (B, Hkv) or page_lo.shape[3] != d or page_hi.shape != page_lo.shape:
+        raise ValueError(f"page_lo / page_hi must be [B={B}, Hkv={Hkv}, P, d={d}] (same shape), got "
+                         f"{tuple(page_lo.shape)} and {tuple(page_hi.shape)}")
     scale = resolve_scale(scale, d)
-    dev = q.device
-    out = destination(out, "out", (B, Hq, d), q.dtype, dev, _alloc)
+    out = destination(out, "out", tuple(q.shape), q.dtype, q.device, _alloc)
     if B == 0:
         return out
+    k, v = _same_strides(k_cache, v_cache)
+    pages = select_mid_pages(q.contiguous(), page_lo, page_hi, n_prefill, n_sink, n_tail, page_size, budget_pages)
+    return decode_retrieved_triton(q, k, v, seq_lens, n_prefill, log_phi_q, comp_A, comp_b, comp_shift,
+                                   page_positions(pages, page_size), retrieved=(k, v, log_phi_k), n_sink=n_sink,
+                                   n_tail=n_tail, top_k=budget_pages, page_size=page_size, scale=scale, out=out)
+
+
+def _same_strides(k_cache, v_cache):
     k = _unit_last_stride(k_cache)
     v = _unit_last_stride(v_cache)
     if v.stride() != k.stride():
         k, v = k.contiguous(), v.contiguous()
-    lpk = _unit_last_stride(log_phi_k)
+    return k, v
+
+
+def decode_retrieved_triton(q, k, v, seq_lens, n_prefill, log_phi_q, comp_A, comp_b, comp_shift, idx, *,
+                            retrieved, n_sink: int, n_tail: int, top_k: int, scale: float, page_size: int = 0,
+                            rows: torch.Tensor | None = None, anchors_compact: bool = False,
+                            out: torch.Tensor) -> torch.Tensor:
+    """The tail every selector shares: split-K exact attention over the anchors and the retrieved tokens,
+    the clamped subtraction of the retrieved tokens from the completion cache and one normalisation
+    (``_decode_partial`` + ``_decode_merge``). Shapes (``B`` rows, ``Hq`` / ``Hkv`` heads, ``d``, ``F``):
+
+    * ``q [B, Hq, d]``; ``k / v [B, Hkv, T, d]`` the anchors: at their positions (``T`` >= every row's
+      ``seq_lens``) or, with ``anchors_compact``, in item order (sinks ``[0, s0)`` then ``[m1, L)`` at rows
+      ``s0 ..``; ``T >= s0 + L - m1``);
+    * ``idx [B, Hq or Hkv, K]`` int64 retrieved positions per query head (Top-k) or per KV head (pages);
+      positions outside the row's mid are skipped (padding);
+    * ``retrieved = (kr, vr, log_phi_k)``: ``[B, Hkv, R, d]`` x2 (kr, vr: one dtype and strides) and
+      ``[B, Hkv, R, F]`` fp32, read at the retrieved positions, or at ``rows`` (same shape as ``idx``,
+      int64) when given (the offloaded decode's hot-page cache);
+    * ``top_k``: tokens per query head (``page_size = 0``) or pages per KV head (``page_size`` tokens);
+      decides whether the completion term applies (``_use_completion``);
+    * ``log_phi_q [B, Hq, F]``, ``comp_A [B, Hkv, F, d]``, ``comp_b / comp_shift [B, Hkv, F]`` fp32;
+      ``out [B, Hq, d]`` (written and returned)."""
+    B, Hq, d = q.shape
+    Hkv = k.shape[1]
+    F = log_phi_q.shape[2]
+    group = Hq // Hkv
+    dev = q.device
+    kr, vr, lpk = retrieved
+    kr, vr = _same_strides(kr, vr)
+    lpk = _unit_last_stride(lpk)
+    if idx.dim() != 3 or idx.shape[0] != B or idx.shape[1] not in (Hq, Hkv):
+        raise ValueError(f"idx must be [B={B}, Hq={Hq} or Hkv={Hkv}, K], got {tuple(idx.shape)}")
+    idx = idx.contiguous()
+    if rows is not None and rows.shape != idx.shape:
+        raise ValueError(f"rows must have idx's shape {tuple(idx.shape)}, got {tuple(rows.shape)}")
+    rows = idx if rows is None else rows.contiguous()
     q, lpq, comp_A, comp_b, comp_shift = (t.contiguous() for t in (q, log_phi_q, comp_A, comp_b, comp_shift))
     seq_lens, n_prefill = seq_lens.contiguous(), n_prefill.contiguous()
-    idx = mid_topk_triton(q, k, n_prefill, n_sink, n_tail, top_k, scale)
     K = idx.shape[2]
+    idx_group = group if idx.shape[1] == Hkv else 1
     n_split = num_splits(B * Hq, K + n_sink + n_tail, dev)
     f32 = dict(dtype=torch.float32, device=dev)
     pm, pl = _alloc(B, Hq, n_split, **f32), _alloc(B, Hq, n_split, **f32)
@@ -114,11 +221,13 @@ def retrieval_completion_triton(q, k_cache, v_cache, seq_lens, n_prefill, log_ph
     # written only for rows that use the completion (the merge reads them only there)
     psb, psa = _alloc(B, Hq, n_split, F, **f32), _alloc(B, Hq, n_split, F, d, **f32)
     launch = {name: val for name, val in DECODE_LAUNCH.items() if name in ("BLOCK_K", "num_warps")}
-    _decode_partial[(B, Hq, n_split)](q, k, v, seq_lens, n_prefill, lpk, comp_shift, idx, pm, pl, pacc, psb, psa,
-                                      *k.stride()[:3], *lpk.stride()[:3], Hq, Hkv, d, F, K, int(n_sink),
-                                      int(n_tail), int(top_k), scale, GROUP=group, D_P=_pow2(d), F_P=_pow2(F),
-                                      **launch)
+    _decode_partial[(B, Hq, n_split)](q, k, v, seq_lens, n_prefill, kr, vr, lpk, comp_shift, idx, rows, pm, pl, pacc,
+                                      psb, psa, *k.stride()[:3], *kr.stride()[:3], *lpk.stride()[:3],
+                                      *idx.stride()[:2], Hq, Hkv, d, F, K, int(n_sink), int(n_tail), int(top_k), scale,
+                                      GROUP=group, IDX_GROUP=idx_group, PAGE=int(page_size),
+                                      RET_ROWS=rows is not idx, ANCHOR_COMPACT=bool(anchors_compact), D_P=_pow2(d),
+                                      F_P=_pow2(F), **launch)
     _decode_merge[(B, Hq)](n_prefill, lpq, comp_A, comp_b, comp_shift, pm, pl, pacc, psb, psa, out, Hq, Hkv, d, F,
-                           int(n_sink), int(n_tail), int(top_k), n_split, GROUP=group, D_P=_pow2(d), F_P=_pow2(F),
-                           S_P=_pow2(n_split, 2), num_warps=4)
+                           int(n_sink), int(n_tail), int(top_k), n_split, GROUP=group, PAGE=int(page_size),
+                           D_P=_pow2(d), F_P=_pow2(F), S_P=_pow2(n_split, 2), num_warps=4)
     return out

@@ -29,7 +29,7 @@ def _cmd_triton_repo(args) -> int:
                                   device=args.device, torch_num_threads=args.torch_threads,
                                   sys_path=(args.sys_path.split(":") if args.sys_path else None),
                                   sync_model=not args.no_sync_model, tokenizer_dir=args.tokenizer_dir,
-                                  tensor_parallel_size=args.tp)
+                                  tensor_parallel_size=args.tp, completion=_completion_json(args))
     for d in dirs:
         print(f"wrote {d}")
     if not any(d.name == "ensemble" for d in dirs):
@@ -37,6 +37,18 @@ def _cmd_triton_repo(args) -> int:
     print(f"serve with: macattn serve --repo {args.out}  (the nvidia-pytriton wheel's tritonserver; or any "
           f"tritonserver with the Python backend: --model-repository={args.out})")
     return 0
+
+
+def _completion_json(args) -> str | None:
+    """``triton-repo``'s retrieval-completion options as the model's ``completion`` parameter (None: MAC)."""
+    if not args.completion:
+        if args.kv_offload or args.prefix_store or args.completion_maps:
+            raise ValueError("--kv-offload / --prefix-store / --completion-maps need --completion")
+        return None
+    from macattn.runtime.completion_setup import completion_options_to_json
+
+    return completion_options_to_json(maps=args.completion_maps, kv_offload=args.kv_offload,
+                                      prefix_store=args.prefix_store)
 
 
 def _cmd_serve(args) -> int:
@@ -72,9 +84,16 @@ def _serve_openai(args) -> int:
     from macattn.apps.llm import LLM
     from macattn.apps.openai_server import build_app
 
-    with LLM(args.model, device=args.device, max_batch_size=args.max_batch_size,
-             mac="off" if args.no_mac else None, prefill_chunk=args.prefill_chunk,
-             tensor_parallel_size=args.tp) as llm:
+    method = args.method or ("full" if args.no_mac else "mac")
+    completion = {}
+    if method == "completion":
+        completion = dict(completion_maps=args.completion_maps, kv_offload=args.kv_offload,
+                          prefix_store=args.prefix_store)
+    elif args.kv_offload or args.prefix_store or args.completion_maps:
+        raise ValueError(f"--kv-offload / --prefix-store / --completion-maps need --method completion, got {method!r}")
+    with LLM(args.model, device=args.device, max_batch_size=args.max_batch_size, method=method,
+             mac=("off" if args.no_mac else None) if method == "mac" else None, prefill_chunk=args.prefill_chunk,
+             max_seq_len=args.max_seq_len, tensor_parallel_size=args.tp, **completion) as llm:
         name = args.served_model_name or ("builtin" if args.model == "builtin" else str(args.model))
         # uvicorn stops on SIGINT / SIGTERM (no new connections, in-flight requests get the grace period),
         # then re-raises the signal under the handlers it found: these swallow it, so the exit status is 0
@@ -145,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="':'-separated site-packages for model.py (default: this interpreter's)")
     tri.add_argument("--per-layer", default=None, help="MacConfig JSON overriding the engine's MAC config")
     tri.add_argument("--no-sync-model", action="store_true", help="write only the decoupled streaming model")
+    tri.add_argument("--completion", action="store_true", help="retrieval-completion instead of MAC")
+    tri.add_argument("--kv-offload", choices=("host",), default=None,
+                     help="--completion: prompt KV in host memory, selected pages fetched per step")
+    tri.add_argument("--prefix-store", default=None,
+                     help="--completion --kv-offload host: directory of persisted prompts (input reuse_prefix)")
+    tri.add_argument("--completion-maps", default=None, help="--completion: distilled feature maps directory")
     tri.add_argument("--tokenizer-dir", default=None,
                      help="tokenizer for the text ensemble (default: the engine's hf/ when it holds one)")
     tri.set_defaults(func=_cmd_triton_repo)
@@ -157,6 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--device", default="cpu")
     srv.add_argument("--max-batch-size", type=int, default=8)
     srv.add_argument("--no-mac", action="store_true", help="full attention instead of MAC (OpenAI server)")
+    srv.add_argument("--method", choices=("mac", "full", "completion"), default=None,
+                     help="attention method (OpenAI server; default mac, or full with --no-mac)")
+    srv.add_argument("--kv-offload", choices=("host",), default=None,
+                     help="--method completion: prompt KV in host memory, selected pages fetched per step")
+    srv.add_argument("--prefix-store", default=None,
+                     help="--kv-offload host: directory where prompts' KV persist (requests send reuse_prefix: true)")
+    srv.add_argument("--completion-maps", default=None,
+                     help="--method completion: distilled feature maps directory (default: untrained init)")
+    srv.add_argument("--max-seq-len", type=int, default=None, help="prompt + generated tokens per request")
     srv.add_argument("--prefill-chunk", type=int, default=None,
                      help="prompt tokens prefilled per engine step, between decode steps (OpenAI server; "
                           "default: whole prompts)")

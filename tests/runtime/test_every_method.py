@@ -28,6 +28,13 @@ def _exact_engine(name: str, model) -> LLMEngine:
         cfg = CompletionConfig(n_sink=4, n_tail=8, top_k=10_000, feature_dim=16, hidden=32)
         return LLMEngine(model, None, rc, method="completion", method_config=cfg,
                          method_kwargs={"maps": completion_maps(model, cfg)})
+    if name == "completion_offload":   # every mid page fetched: exact attention over offloaded KV
+        from macattn.methods.completion.offload import OffloadConfig
+
+        cfg = CompletionConfig(n_sink=4, n_tail=8, top_k=64, feature_dim=16, hidden=32, selector="quest", page_size=8)
+        off = OffloadConfig(hot_pages=8, max_generated=NEW, max_prefill=64, prefetch="none")
+        return LLMEngine(model, None, rc, method=name, method_config=cfg,
+                         method_kwargs={"maps": completion_maps(model, cfg), "offload": off})
     return LLMEngine(model, None, rc, method=name)
 
 
@@ -41,8 +48,8 @@ def _reference(model, p: torch.Tensor) -> list[int]:
 
 
 def test_the_registry_lists_every_method_once_with_its_declarations():
-    assert set(METHODS) == {"full", "mac", "completion", "mka", "a3"}
-    assert set(ATTENTION_METHODS) == {"full", "mac", "completion"}
+    assert set(METHODS) == {"full", "mac", "completion", "completion_offload", "mka", "a3"}
+    assert set(ATTENTION_METHODS) == {"full", "mac", "completion", "completion_offload"}
     for name, cls in METHODS.items():
         assert cls.name == name and isinstance(cls.capabilities.paged_kv, bool)
         assert cls.config_type() is not None          # every config has usable defaults

@@ -61,3 +61,25 @@ def test_bad_arguments_are_named(engine, tmp_path):
         write_model_repository(engine, tmp_path / "r", name="a b")
     with pytest.raises(FileNotFoundError, match="manifest.json"):
         write_model_repository(tmp_path, tmp_path / "r")
+
+
+def test_completion_offload_options_round_trip_and_build_the_method(engine, tmp_path):
+    """``triton-repo --completion --kv-offload host --prefix-store DIR`` writes the ``completion`` parameter and
+    the ``reuse_prefix`` input; the options parsed back build the offloaded engine method (what model.py does)."""
+    from macattn.runtime.completion_setup import completion_method, completion_options_from_json
+
+    store = tmp_path / "prefixes"
+    assert main(["triton-repo", "--engine", str(engine), "--out", str(tmp_path / "repo"), "--completion",
+                 "--kv-offload", "host", "--prefix-store", str(store), "--no-sync-model"]) == 0
+    text = (tmp_path / "repo" / "macattn" / "config.pbtxt").read_text()
+    assert 'name: "reuse_prefix" data_type: TYPE_BOOL dims: [ 1 ] optional: true' in text
+    read = _model_py_parameter_reader(tmp_path / "repo" / "macattn" / "1" / "model.py")
+    opts = completion_options_from_json(read("completion"))
+    assert opts["kv_offload"] == "host" and opts["prefix_store"] == str(store)
+    name, cfg, kwargs = completion_method(tiny_model(), "completion", **opts)
+    assert name == "completion_offload" and cfg.selector == "quest" and kwargs["store"] is not None
+    with pytest.raises(ValueError, match="kv_offload"):
+        write_model_repository(engine, tmp_path / "r2", completion='{"kv_offload": "disk"}')
+    with pytest.raises(SystemExit):          # argparse's error: the message names the flags
+        main(["triton-repo", "--engine", str(engine), "--out", str(tmp_path / "r3"), "--kv-offload", "host"])
+    assert not (tmp_path / "r3").exists()

@@ -48,7 +48,8 @@ from macattn.apps.trainer_common import (add_trainer_args, freeze, load_checkpoi
 from macattn.core.validation import check_float, check_int
 
 from macattn.models.attention import capture_qkv
-from macattn.methods.completion.feature_maps import CompletionFeatureMaps, FeatureMapSpec, save_feature_maps, student_logits
+from macattn.methods.completion.feature_maps import (CompletionFeatureMaps, FeatureMapSpec, maps_for_model,  # noqa: F401
+                                                    save_feature_maps, student_logits)
 
 __all__ = ["DistillConfig", "LossConfig", "distill_loss", "teacher_student_logits", "distill", "calibrate_mass",
            "log_partition_bias", "load_model_and_tokens",
@@ -250,14 +251,6 @@ def load_model_and_tokens(*, family: str = "llama", model_dir: str | None = None
         model = build_builtin_model(family, seed=seed)
         ids = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).to(torch.int64)
     return model.float().eval(), ids
-
-
-def maps_for_model(model, *, feature_dim: int, hidden: int, seed: int = 0) -> CompletionFeatureMaps:
-    hf = model.config
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    return CompletionFeatureMaps(FeatureMapSpec(num_layers=hf.num_hidden_layers, num_q_heads=hf.num_attention_heads,
-                                                num_kv_heads=hf.num_key_value_heads, head_dim=head_dim,
-                                                feature_dim=feature_dim, hidden=hidden, seed=seed))
 
 
 def _cmd(args) -> int:

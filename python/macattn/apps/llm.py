@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from macattn.methods.mac.config import MacConfig
+from macattn.runtime.completion_setup import completion_method
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.engine import LLMEngine
 from macattn.runtime.sampling import SamplingParams as EngineSampling
@@ -168,12 +169,22 @@ class LLM:
     ``macattn tune``, ``"off"``, or None (MAC's defaults). dtype: ``"auto"`` or a torch dtype;
     device, max_batch_size, max_seq_len, quantization, use_cuda_graphs (None: on CUDA), prefill_chunk
     (prompt tokens per engine step; None: whole prompts), tensor_parallel_size (ranks the model is
-    sharded over, ``runtime/tensor_parallel.py``): the runtime's (``RuntimeConfig``)."""
+    sharded over, ``runtime/tensor_parallel.py``): the runtime's (``RuntimeConfig``).
+
+    Retrieval-completion (``method="completion"``): ``completion`` its ``CompletionConfig`` (default: the
+    exhaustive selector; with ``kv_offload`` the page selector ``"quest"``), ``completion_maps`` the distilled
+    feature maps (a ``save_feature_maps`` directory, a ``CompletionFeatureMaps``, or None: the untrained
+    Performer initialisation). ``kv_offload="host"``: the prompt KV lives in host memory and each step
+    fetches the pages it selects (``macattn.methods.completion.offload``; sizes in ``offload``, an
+    ``OffloadConfig``, capacity checked here); ``prefix_store``: a directory where prompts' KV persist
+    (model identity and sha256 checked on load), used by ``generate(..., reuse_prefix=True)``."""
 
     def __init__(self, model: Any = "builtin", *, tokenizer: Any = None, method: str = "mac", mac: Any = None,
                  dtype: Any = "auto", device: str = "cpu", max_batch_size: int = 8, max_seq_len: int | None = None,
                  quantization: str | None = None, use_cuda_graphs: bool | None = None,
-                 prefill_chunk: int | None = None, tensor_parallel_size: int = 1) -> None:
+                 prefill_chunk: int | None = None, tensor_parallel_size: int = 1, completion: Any = None,
+                 completion_maps: Any = None, kv_offload: str | None = None, offload: Any = None,
+                 prefix_store: Any = None) -> None:
         self._engine_loop: _EngineLoop | None = None
         hf, tok = self._load(model, tokenizer, dtype)
         self.tokenizer = tok
@@ -187,7 +198,11 @@ class LLM:
                            use_cuda_graphs=device.startswith("cuda") if use_cuda_graphs is None else use_cuda_graphs,
                            quantization=quantization, prefill_chunk=prefill_chunk,
                            tensor_parallel_size=tensor_parallel_size)
-        self.engine = LLMEngine(hf, mac_config, rc, method=method)
+        engine_method, method_config, method_kwargs = completion_method(
+            hf, method, completion=completion, maps=completion_maps, kv_offload=kv_offload, offload=offload,
+            prefix_store=prefix_store)
+        self.engine = LLMEngine(hf, mac_config, rc, method=engine_method, method_config=method_config,
+                                method_kwargs=method_kwargs)
 
     @staticmethod
     def _load(model, tokenizer, dtype):
@@ -208,9 +223,12 @@ class LLM:
         return (model.to(torch_dtype) if torch_dtype is not None else model), tokenizer
 
     # --- generation -------------------------------------------------------------------------
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None):
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 reuse_prefix: bool = False):
         """``prompts``: a string, a token id list, or a list of either. Returns one ``RequestOutput``
-        per prompt (a single one for a single prompt). Every request is validated before any runs."""
+        per prompt (a single one for a single prompt). Every request is validated before any runs.
+        ``reuse_prefix``: load each prompt's KV from the ``prefix_store`` when it is there (skipping its
+        prefill; ``RequestOutput.metrics["prefix_reused"]``), else prefill and persist it."""
         single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                               and all(isinstance(t, int) for t in prompts))
         batch = [prompts] if single else list(prompts)
@@ -220,7 +238,7 @@ class LLM:
         if len(params) != len(batch):
             raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({len(batch)}), "
                              f"got {len(params)}")
-        requests = [self._request(p, sp if sp is not None else SamplingParams(), index=i)
+        requests = [self._request(p, sp if sp is not None else SamplingParams(), index=i, reuse_prefix=reuse_prefix)
                     for i, (p, sp) in enumerate(zip(batch, params))]
         handles = [self._loop().submit(*r) for r in requests]
         try:
@@ -230,9 +248,12 @@ class LLM:
                 h.abort()
         return outputs[0] if single else outputs
 
-    def generate_async(self, prompt, sampling_params: SamplingParams | None = None) -> "RequestHandle":
-        """Submit one prompt (validated now) and return at once; see ``RequestHandle``."""
-        return self._loop().submit(*self._request(prompt, sampling_params or SamplingParams()))
+    def generate_async(self, prompt, sampling_params: SamplingParams | None = None, *,
+                       reuse_prefix: bool = False) -> "RequestHandle":
+        """Submit one prompt (validated now) and return at once; see ``RequestHandle`` (``reuse_prefix``:
+        as ``generate``)."""
+        return self._loop().submit(*self._request(prompt, sampling_params or SamplingParams(),
+                                                  reuse_prefix=reuse_prefix))
 
     def shutdown(self) -> None:
         """Stop the engine loop; requests still running are aborted (their handles end with
@@ -258,7 +279,7 @@ class LLM:
             self._engine_loop = _EngineLoop(self)
         return self._engine_loop
 
-    def _request(self, prompt, sp: SamplingParams, *, index: int | None = None):
+    def _request(self, prompt, sp: SamplingParams, *, index: int | None = None, reuse_prefix: bool = False):
         """Validate one request (errors name ``prompts[index]`` / ``sampling_params[index]``, or
         ``prompt`` / ``sampling_params`` for a single one) and build its sequence and output."""
         where, sp_where = (("prompt", "sampling_params") if index is None
@@ -272,7 +293,7 @@ class LLM:
         else:
             ids = prompt
         try:
-            seq = self.engine.make_request(ids, sp.engine_params(self.tokenizer.eos_token_id))
+            seq = self.engine.make_request(ids, sp.engine_params(self.tokenizer.eos_token_id), reuse_prefix=reuse_prefix)
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"{where}: {exc}") from None
         out = RequestOutput(seq.request_id, prompt if isinstance(prompt, str) else None, list(seq.prompt),

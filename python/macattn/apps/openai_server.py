@@ -48,6 +48,7 @@ class _Sampling(_Strict):
     presence_penalty: Literal[0, 0.0] = 0.0
     frequency_penalty: Literal[0, 0.0] = 0.0
     user: str | None = None
+    reuse_prefix: bool = False        # macattn: load the prompt's KV from the server's prefix store
 
     def params(self, default_max_tokens: int, *, logprobs: int | None = None,
                max_tokens: int | None = None) -> SamplingParams:
@@ -148,7 +149,8 @@ def build_app(llm: LLM, model_name: str, *, default_max_tokens: int = 16) -> Fas
             metrics.requests.labels(endpoint, "404").inc()
             return None, _error(404, f"model: {req.model!r} is not served here (serving {model_name!r})", "model")
         try:
-            handle = llm.generate_async(prompt, req.params(default_max_tokens, logprobs=logprobs, max_tokens=max_tokens))
+            handle = llm.generate_async(prompt, req.params(default_max_tokens, logprobs=logprobs, max_tokens=max_tokens),
+                                        reuse_prefix=req.reuse_prefix)
         except (ValueError, TypeError) as exc:
             metrics.requests.labels(endpoint, "400").inc()
             message = str(exc)     # "<field>: ..." or "<field> must be ...": the field leads the message

@@ -150,6 +150,10 @@ class AttentionMethod:
         so the runtime may capture it (only asked when ``capabilities.cuda_graphs`` is set)."""
         return True
 
+    def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raise ``ValueError`` naming the limit when a request of this size cannot run (called before it
+        is queued); default: every size the runtime admits."""
+
     def request_metrics(self, slot: int) -> dict[str, float]:
         """Figures of the request in ``slot`` at its end (read before the slot is reset; may read
         the device once)."""

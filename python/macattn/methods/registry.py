@@ -4,6 +4,7 @@ from __future__ import annotations
 from macattn.methods.a3.backend import A3Prefill
 from macattn.methods.base import AttentionMethod
 from macattn.methods.completion.backend import CompletionAttention
+from macattn.methods.completion.offload_backend import OffloadedCompletion
 from macattn.methods.full.backend import FullAttention
 from macattn.methods.mac.backend import MacAttention
 from macattn.methods.mka.backend import FastMka
@@ -14,6 +15,7 @@ METHODS: dict[str, type[AttentionMethod]] = {
     FullAttention.name: FullAttention,
     MacAttention.name: MacAttention,
     CompletionAttention.name: CompletionAttention,
+    OffloadedCompletion.name: OffloadedCompletion,
     FastMka.name: FastMka,
     A3Prefill.name: A3Prefill,
 }

@@ -239,7 +239,7 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="exactly one"):
         CompletionConfig(top_k=4, budget=0.1)
     with pytest.raises(ValueError, match="selector"):
-        CompletionConfig(selector="quest")
+        CompletionConfig(selector="nearest")
 
 
 def test_config_and_budget_accounting():

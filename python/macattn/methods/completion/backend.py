@@ -26,7 +26,9 @@ from macattn.methods.base import AttentionMethod, Capabilities, ModelDims
 from macattn.methods.completion import ops  # noqa: F401  (defines the torch ops)
 from macattn.methods.completion.feature_maps import CompletionFeatureMaps
 from macattn.methods.completion.config import CompletionConfig
-from macattn.methods.completion.reference import (build_completion_cache, make_selector, hybrid_decode_step, partition, retrieval_completion_step, token_equivalents)
+from macattn.methods.completion.reference import (build_completion_cache, hybrid_decode_step, make_selector,
+                                                  page_retrieval_completion_step, partition,
+                                                  retrieval_completion_step, token_equivalents)
 from macattn.methods.completion.state import CompletionState
 
 __all__ = ["CompletionAttention"]
@@ -56,9 +58,11 @@ class CompletionAttention(AttentionMethod):
         self.state = CompletionState.allocate(num_layers=dims.num_layers, num_slots=num_slots,
                                               num_kv_heads=dims.num_kv_heads, max_seq_len=max_seq_len,
                                               head_dim=dims.head_dim, feature_dim=spec.feature_dim, dtype=dims.dtype,
-                                              device=dims.device)
-        self.use_op = use_op is not False and config.selector == "exact"
-        self.selector = make_selector(config.selector, page_size=config.page_size, overfetch=config.page_overfetch)
+                                              device=dims.device,
+                                              page_size=config.page_size if config.selector == "quest" else 0)
+        self.use_op = use_op is not False and config.selector in ("exact", "quest")
+        self.selector = (None if config.selector == "quest" else
+                         make_selector(config.selector, page_size=config.page_size, overfetch=config.page_overfetch))
         self.step_log: list[dict] = []   # one entry per (decode step, request)
         self._request_of_slot = [-1] * num_slots
         self._n_prefill = [0] * num_slots      # host copy of state.n_prefill (set at prefill)
@@ -95,6 +99,8 @@ class CompletionAttention(AttentionMethod):
             p = partition(T, T, n_sink=cfg.n_sink, n_tail=cfg.n_tail)
             a, b, c = build_completion_cache(lpk[:, p.mid_start:p.mid_end], value[0, :, p.mid_start:p.mid_end])
         st.comp_a[layer][s], st.comp_b[layer][s], st.comp_shift[layer][s] = a, b, c
+        if st.page_size:
+            st.set_page_bounds(layer, s, key[0])
         st.seq_len[s] = T
         st.n_prefill[s] = T
         if layer == 0:
@@ -123,6 +129,8 @@ class CompletionAttention(AttentionMethod):
         rows = torch.arange(B, device=query.device)
         for name, x in (("k", key), ("v", value)):
             getattr(st, name)[layer][slots, :, pos] = x[rows, :, 0]
+        if st.page_size:
+            st.extend_page_bounds(layer, slots, pos, key[rows, :, 0])
         seq_lens = pos + 1
         st.seq_len[slots] = seq_lens
         q = query[:, :, 0]
@@ -153,9 +161,14 @@ class CompletionAttention(AttentionMethod):
             q_all[sl] = qs
             lpq_all = lq.new_zeros((S,) + tuple(lq.shape[1:]))
             lpq_all[sl] = lq
-            res = torch.ops.macattn.retrieval_completion(
-                q_all, st.k[layer], st.v[layer], lens, npf, lpq_all, st.log_phi_k[layer], st.comp_a[layer],
-                st.comp_b[layer], st.comp_shift[layer], cfg.n_sink, cfg.n_tail, k, scale)
+            common = (q_all, st.k[layer], st.v[layer], lens, npf, lpq_all, st.log_phi_k[layer], st.comp_a[layer],
+                      st.comp_b[layer], st.comp_shift[layer])
+            if cfg.selector == "quest":
+                res = torch.ops.macattn.page_retrieval_completion(
+                    *common, st.page_lo[layer], st.page_hi[layer], cfg.n_sink, cfg.n_tail, cfg.page_size,
+                    cfg.pages_for(k), scale)
+            else:
+                res = torch.ops.macattn.retrieval_completion(*common, cfg.n_sink, cfg.n_tail, k, scale)
             if idx is None:
                 out = res[sl]
             else:
@@ -175,6 +188,10 @@ class CompletionAttention(AttentionMethod):
                     st.comp_shift[layer][sl])
             if cfg.selector == "exact":
                 out[idx] = retrieval_completion_step(*args, n_sink=cfg.n_sink, n_tail=cfg.n_tail, top_k=k, scale=scale)
+            elif cfg.selector == "quest":
+                out[idx] = page_retrieval_completion_step(*args, n_sink=cfg.n_sink, n_tail=cfg.n_tail,
+                                                          page_size=cfg.page_size, budget_pages=cfg.pages_for(k),
+                                                          scale=scale)
             else:
                 out[idx] = hybrid_decode_step(*args[:5], n_sink=cfg.n_sink, n_tail=cfg.n_tail, top_k=k, scale=scale,
                                               selector=self.selector, completion=args[5:])

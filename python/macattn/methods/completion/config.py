@@ -11,7 +11,7 @@ __all__ = ["METHODS", "SELECTORS", "CompletionConfig"]
 METHODS = ("full", "sink_tail", "selection", "completion")
 
 
-SELECTORS = ("exact", "pages")
+SELECTORS = ("exact", "pages", "quest")
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,11 @@ class CompletionConfig:
     top_k: retrieved mid tokens per query head and step; or ``budget``: a fraction in (0, 1]
     of the mid region (exactly one of the two is set; ``budget_top_k`` resolves it).
     feature_dim: ``F``, features of φ_q / φ_k; hidden: inner width of the ReZero block.
-    selector: ``"exact"`` (exhaustive Top-k) or ``"pages"`` (page-summary upper bounds);
-    page_size / page_overfetch: pages of the ``"pages"`` selector (pages kept =
+    selector: ``"exact"`` (exhaustive Top-k), ``"pages"`` (page-summary upper bounds, then the exact
+    Top-k inside the kept pages; the fp64 reference only) or ``"quest"`` (the GPU page selector: the
+    ``ceil(top_k / page_size)`` pages per KV head of best Quest bound, every token of them retrieved,
+    no token refinement; bounds kept in the state; ``macattn::page_retrieval_completion``);
+    page_size / page_overfetch: pages of the ``"pages"`` / ``"quest"`` selectors (``"pages"`` keeps
     ``ceil(top_k / page_size) * page_overfetch``).
     """
 
@@ -52,6 +55,11 @@ class CompletionConfig:
             raise ValueError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
         check_int("page_size", self.page_size, 1)
         check_int("page_overfetch", self.page_overfetch, 1)
+
+    def pages_for(self, k: int) -> int:
+        """Pages per KV head of the ``"quest"`` selector for a Top-k of ``k`` tokens (``ceil(k / page_size)``)."""
+        check_int("k", k, 0)
+        return -(-k // self.page_size)
 
     def k_for(self, mid_len: int) -> int:
         """Retrieved tokens for a mid region of ``mid_len`` tokens (``min(top_k, mid_len)``)."""

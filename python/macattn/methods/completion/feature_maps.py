@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 __all__ = ["FeatureMapSpec", "FeatureMap", "CompletionFeatureMaps", "student_logits", "save_feature_maps",
-           "load_feature_maps"]
+           "load_feature_maps", "maps_for_model"]
 
 
 @dataclass(frozen=True)
@@ -147,3 +147,12 @@ def load_feature_maps(path: str | Path) -> CompletionFeatureMaps:
     maps = CompletionFeatureMaps(FeatureMapSpec(**json.loads((d / "feature_maps.json").read_text())))
     maps.load_state_dict(load_file(str(d / "feature_maps.safetensors")))
     return maps.eval()
+
+
+def maps_for_model(model, *, feature_dim: int, hidden: int, seed: int = 0) -> CompletionFeatureMaps:
+    """Untrained maps (the Performer initialisation, ``α = 0``) shaped for a transformers ``*ForCausalLM``."""
+    hf = model.config
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    return CompletionFeatureMaps(FeatureMapSpec(num_layers=hf.num_hidden_layers, num_q_heads=hf.num_attention_heads,
+                                                num_kv_heads=hf.num_key_value_heads, head_dim=head_dim,
+                                                feature_dim=feature_dim, hidden=hidden, seed=seed))

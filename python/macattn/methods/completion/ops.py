@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from macattn.methods.completion.reference import build_completion_cache_batched, retrieval_completion_step
+from macattn.core.validation import check_int
+from macattn.methods.completion.reference import (build_completion_cache_batched, page_retrieval_completion_step,
+                                                  retrieval_completion_step, select_mid_pages_reference)
 from macattn.plugins import HAVE_TRITON
 from macattn.plugins.retrieval_completion.checks import (REFERENCE_FLOATS, check_completion_cache_inputs,
                                                         check_retrieval_completion_inputs, resolve_scale)
 
-__all__ = ["retrieval_completion", "completion_cache", "register_cuda_kernels"]
+__all__ = ["retrieval_completion", "page_retrieval_completion", "completion_cache", "register_cuda_kernels"]
 
 
 @torch.library.custom_op("macattn::completion_cache", mutates_args=())
@@ -74,6 +76,37 @@ def _(q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A, co
     return torch.empty_like(q)
 
 
+@torch.library.custom_op("macattn::page_retrieval_completion", mutates_args=())
+def page_retrieval_completion(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                              n_prefill: torch.Tensor, log_phi_q: torch.Tensor, log_phi_k: torch.Tensor,
+                              comp_A: torch.Tensor, comp_b: torch.Tensor, comp_shift: torch.Tensor,
+                              page_lo: torch.Tensor, page_hi: torch.Tensor, n_sink: int, n_tail: int, page_size: int,
+                              budget_pages: int, scale: float) -> torch.Tensor:
+    """``retrieval_completion`` with the page selector: ``budget_pages`` pages of ``page_size`` tokens per KV
+    head chosen by their Quest bounds ``page_lo / page_hi [B, Hkv, P, d]`` (fp32, absolute pages of the
+    cache's keys) among the pages overlapping the mid, every mid token of a chosen page retrieved.
+    Reference: ``select_mid_pages_reference`` + ``page_retrieval_completion_step``; CUDA:
+    ``macattn.plugins.retrieval_completion.op.page_retrieval_completion_triton``."""
+    check_retrieval_completion_inputs(q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A, comp_b,
+                                      comp_shift, n_sink, n_tail, budget_pages, scale, REFERENCE_FLOATS)
+    check_int("page_size", page_size, 1)
+    B, Hkv, d = q.shape[0], k_cache.shape[1], q.shape[2]
+    if page_lo.dim() != 4 or page_lo.shape[:2] != (B, Hkv) or page_lo.shape[3] != d or page_hi.shape != page_lo.shape:
+        raise ValueError(f"page_lo / page_hi must be [B={B}, Hkv={Hkv}, P, d={d}] (same shape), got "
+                         f"{tuple(page_lo.shape)} and {tuple(page_hi.shape)}")
+    pages = select_mid_pages_reference(q, page_lo, page_hi, n_prefill, n_sink=n_sink, n_tail=n_tail,
+                                       page_size=page_size, budget=budget_pages)
+    return page_retrieval_completion_step(q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A,
+                                          comp_b, comp_shift, n_sink=n_sink, n_tail=n_tail, page_size=page_size,
+                                          budget_pages=budget_pages, scale=resolve_scale(scale, d), pages=pages)
+
+
+@page_retrieval_completion.register_fake
+def _(q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A, comp_b, comp_shift, page_lo, page_hi,
+      n_sink, n_tail, page_size, budget_pages, scale):
+    return torch.empty_like(q)
+
+
 def register_cuda_kernels() -> tuple[str, ...]:
     """Register the Triton launchers as the CUDA kernels of ``completion_cache`` / ``retrieval_completion``
     (idempotent; through ``macattn.methods.kernels.register_kernels``). Returns the op names; ``()``
@@ -81,7 +114,9 @@ def register_cuda_kernels() -> tuple[str, ...]:
     if not HAVE_TRITON:
         return ()
     from macattn.methods.kernels import register_cuda_launchers
-    from macattn.plugins.retrieval_completion.op import completion_cache_triton, retrieval_completion_triton
+    from macattn.plugins.retrieval_completion.op import (completion_cache_triton, page_retrieval_completion_triton,
+                                                        retrieval_completion_triton)
 
     return register_cuda_launchers({"macattn::completion_cache": lambda: completion_cache_triton,
-                                    "macattn::retrieval_completion": lambda: retrieval_completion_triton})
+                                    "macattn::retrieval_completion": lambda: retrieval_completion_triton,
+                                    "macattn::page_retrieval_completion": lambda: page_retrieval_completion_triton})

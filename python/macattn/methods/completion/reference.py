@@ -44,7 +44,9 @@ from macattn.methods.completion.config import SELECTORS
 from macattn.core.validation import check_int
 
 __all__ = ["Partition", "partition", "Selector", "ExhaustiveTopK", "PageSummaryTopK", "make_selector", "page_bounds",
-           "page_upper_bounds", "select_pages_reference", "build_completion_cache", "build_completion_cache_batched", "subtract_retrieved", "hybrid_decode_step", "retrieval_completion_step", "selection_only_step", "sink_tail_step", "full_attention_step", "token_equivalents", "budget_top_k"]
+           "page_upper_bounds", "select_pages_reference", "build_completion_cache", "build_completion_cache_batched", "subtract_retrieved", "hybrid_decode_step", "mid_pages",
+           "page_retrieval_completion_step", "select_mid_pages_reference",
+           "decode_retrieved_reference", "retrieval_completion_step", "selection_only_step", "sink_tail_step", "full_attention_step", "token_equivalents", "budget_top_k"]
 
 @dataclass(frozen=True)
 class Partition:
@@ -181,7 +183,7 @@ def make_selector(name: str, *, page_size: int = 16, overfetch: int = 2) -> Sele
         return ExhaustiveTopK()
     if name == "pages":
         return PageSummaryTopK(page_size, overfetch)
-    raise ValueError(f"selector must be one of {SELECTORS}, got {name!r}")
+    raise ValueError(f"selector must be one of {SELECTORS[:2]} (token selectors), got {name!r}")
 
 
 # ----------------------------------------------------------------------------- completion cache
@@ -274,24 +276,44 @@ def _check_step_inputs(q, k_cache, v_cache, seq_lens, n_prefill):
     return bsz, hq, hkv, d, sl, npf
 
 
+def mid_pages(p: Partition, page_size: int) -> tuple[int, int]:
+    """``(first, count)``: the pages of ``page_size`` tokens on absolute positions that overlap the mid of
+    ``p`` (``first = n_sink // page_size`` whenever the mid is non-empty, as ``s0 = n_sink`` then; count 0
+    for an empty mid). Every one of them holds mid tokens; the page selector chooses among them."""
+    check_int("page_size", page_size, 1)
+    if p.mid_len == 0:
+        return 0, 0
+    first = p.mid_start // page_size
+    return first, -(-p.mid_end // page_size) - first
+
+
 def hybrid_decode_step(q, k_cache, v_cache, seq_lens, n_prefill, *, n_sink: int, n_tail: int, top_k: int,
                        scale: float | None = None, selector: Selector | None = None, completion=None,
-                       return_parts: bool = False):
+                       page_size: int = 0, pages: torch.Tensor | None = None, return_parts: bool = False):
     """One decode step of the whole family (reference, fp64), see the module docstring.
 
     q ``[B, Hq, d]``, k_cache / v_cache ``[B, Hkv, T, d]``, seq_lens / n_prefill ``[B]`` int.
     completion: ``None`` (selection-only: softmax renormalised over the exact set; with
     ``top_k = 0`` this is sink+tail) or ``(log_phi_q [B, Hq, F], log_phi_k [B, Hkv, T, F],
     comp_A [B, Hkv, F, d], comp_b [B, Hkv, F], comp_shift [B, Hkv, F])``.
+    page_size > 0: the page selector, no token refinement — ``top_k`` counts pages per KV head, chosen by
+    ``select_pages_reference`` from Quest bounds of the row's prefill keys among the pages overlapping the
+    mid (``mid_pages``), and every mid token of a chosen page is retrieved (``selector`` unused);
+    ``pages [B, Hkv, top_k]`` (absolute page indices, -1 = none) replays a given selection instead.
+    The completion term applies iff the retrieved set misses a mid token.
     Returns ``out [B, Hq, d]`` in q's dtype; with ``return_parts`` also a dict of fp64
     ``[B, Hq]`` tensors: ``lse_exact`` (log Σ_E e^{l_t}), ``lse_comp`` (log of the completion
     denominator, -inf when none) and ``k_eff`` (retrieved tokens).
     """
     check_int("top_k", top_k, 0)
+    check_int("page_size", page_size, 0)
     bsz, hq, hkv, d, sl, npf = _check_step_inputs(q, k_cache, v_cache, seq_lens, n_prefill)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     selector = ExhaustiveTopK() if selector is None else selector
     grp = hq // hkv
+    if pages is not None and (not page_size or tuple(pages.shape) != (bsz, hkv, top_k)):
+        raise ValueError(f"pages must be [B={bsz}, Hkv={hkv}, top_k={top_k}] with page_size > 0, got "
+                         f"{tuple(pages.shape)} (page_size={page_size})")
     if completion is not None:
         log_phi_q, log_phi_k, comp_a, comp_b, comp_shift = completion
         f = log_phi_q.shape[-1]
@@ -312,41 +334,149 @@ def hybrid_decode_step(q, k_cache, v_cache, seq_lens, n_prefill, *, n_sink: int,
         vv = v_cache[i, :, :L].double().repeat_interleave(grp, 0)
         qd = q[i].double()
         logits = scale * torch.einsum("hd,htd->ht", qd, kk)  # [Hq, L]
-        exact = torch.ones(hq, L, dtype=torch.bool, device=q.device)
-        exact[:, p.mid_start:p.mid_end] = False
-        k_eff = min(top_k, p.mid_len)
-        sel = torch.zeros(hq, 0, dtype=torch.int64, device=q.device)
-        if k_eff:
-            sel = torch.cat([selector.select(qd[g * grp:(g + 1) * grp], k_cache[i, g, p.mid_start:p.mid_end],
-                                             k_eff, scale) for g in range(hkv)])
-            exact[heads[:, None], p.mid_start + sel] = True
-        parts["k_eff"][i] = k_eff
-        le = logits.masked_fill(~exact, -math.inf)
-        m = le.amax(-1)
-        if completion is not None and k_eff < p.mid_len:  # R = M: nothing left to complete, exact
-            gi = torch.arange(hq, device=q.device) // grp
-            lpk_sel = log_phi_k[i][gi[:, None], p.mid_start + sel].double()  # [Hq, k, F]
-            a2, b2 = subtract_retrieved(comp_a[i][gi], comp_b[i][gi], comp_shift[i][gi], lpk_sel, vv[heads[:, None],
-                                        p.mid_start + sel])
-            la = log_phi_q[i].double() + comp_shift[i][gi].double() + torch.log(b2)  # -inf where b' = 0
-            m = torch.maximum(m, la.amax(-1))
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # nothing to attend: out = 0
-            wc = torch.exp(la - m[:, None])  # [Hq, F]
-            den_c = wc.sum(-1)
-            num_c = torch.einsum("hf,hfd->hd", wc, torch.where(b2[..., None] > 0, a2 / b2.clamp_min(1e-300)[..., None],
-                                                                torch.zeros_like(a2)))
+        # R as a mask over the mid [Hq, M]
+        sel = torch.zeros(hq, p.mid_len, dtype=torch.bool, device=q.device)
+        if page_size:
+            chosen = pages[i] if pages is not None else _mid_page_choice(q[i], k_cache[i, :, :L], p.n_prefill,
+                                                                        n_sink, n_tail, page_size, top_k)
+            for g in range(hkv):
+                for pg in chosen[g].tolist():
+                    if pg >= 0:
+                        lo_t, hi_t = max(pg * page_size, p.mid_start), min((pg + 1) * page_size, p.mid_end)
+                        sel[g * grp:(g + 1) * grp, max(lo_t - p.mid_start, 0):max(hi_t - p.mid_start, 0)] = True
         else:
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            den_c = torch.zeros(hq, dtype=torch.float64, device=q.device)
-            num_c = torch.zeros(hq, d, dtype=torch.float64, device=q.device)
-        we = torch.exp(le - m[:, None])
-        den_e = we.sum(-1)
-        den = (den_e + den_c)[:, None]
-        out[i] = torch.where(den > 0, (torch.einsum("ht,htd->hd", we, vv) + num_c) / den.clamp_min(1e-300), 0.0)
-        parts["lse_exact"][i] = (torch.log(den_e) + m).cpu()
-        parts["lse_comp"][i] = (torch.log(den_c) + m).cpu()
+            k_eff = min(top_k, p.mid_len)
+            if k_eff:
+                idx = torch.cat([selector.select(qd[g * grp:(g + 1) * grp], k_cache[i, g, p.mid_start:p.mid_end],
+                                                 k_eff, scale) for g in range(hkv)])
+                sel[heads[:, None], idx] = True
+        parts["k_eff"][i] = sel.sum(-1).cpu()
+        exact = torch.ones(hq, L, dtype=torch.bool, device=q.device)
+        exact[:, p.mid_start:p.mid_end] = sel
+        le = logits.masked_fill(~exact, -math.inf)
+        comp_i = None
+        if completion is not None and not bool(sel.all()):  # R = M: nothing left to complete, exact
+            gi = torch.arange(hq, device=q.device) // grp
+            lpk_sel = log_phi_k[i][gi, p.mid_start:p.mid_end].double().masked_fill(~sel[..., None], -math.inf)
+            comp_i = (log_phi_q[i], lpk_sel, vv[:, p.mid_start:p.mid_end], comp_a[i][gi], comp_b[i][gi],
+                      comp_shift[i][gi])
+        out[i], parts["lse_exact"][i], parts["lse_comp"][i] = _merge_one_normalisation(le, vv, comp_i)
     out = out.to(q.dtype)
     return (out, parts) if return_parts else out
+
+
+def _merge_one_normalisation(le: torch.Tensor, vv: torch.Tensor, completion=None):
+    """SPEC §3's one normalisation for the ``H`` query heads of one row (fp64): exact logits ``le [H, n]``
+    (``-inf`` off the exact set) over values ``vv [H, n, d]``; ``completion`` None or ``(log_phi_q [H, F],
+    lpk_sel [H, k, F] (-inf rows: not retrieved), v_sel [H, k, d], comp_A [H, F, d], comp_b [H, F],
+    comp_shift [H, F])``: the cache minus the retrieved tokens (``subtract_retrieved``). Returns
+    ``(out [H, d], lse_exact [H], lse_comp [H])``."""
+    m = le.amax(-1)
+    if completion is not None:
+        lpq, lpk_sel, v_sel, comp_a, comp_b, comp_shift = completion
+        a2, b2 = subtract_retrieved(comp_a, comp_b, comp_shift, lpk_sel, v_sel)
+        la = lpq.double() + comp_shift.double() + torch.log(b2)  # -inf where b' = 0
+        m = torch.maximum(m, la.amax(-1))
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # nothing to attend: out = 0
+        wc = torch.exp(la - m[:, None])  # [H, F]
+        den_c = wc.sum(-1)
+        num_c = torch.einsum("hf,hfd->hd", wc, torch.where(b2[..., None] > 0, a2 / b2.clamp_min(1e-300)[..., None],
+                                                            torch.zeros_like(a2)))
+    else:
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        den_c = le.new_zeros(le.shape[0])
+        num_c = vv.new_zeros(vv.shape[0], vv.shape[2])
+    we = torch.exp(le - m[:, None])
+    den_e = we.sum(-1)
+    den = (den_e + den_c)[:, None]
+    out = torch.where(den > 0, (torch.einsum("ht,htd->hd", we, vv) + num_c) / den.clamp_min(1e-300), 0.0)
+    return out, (torch.log(den_e) + m).cpu(), (torch.log(den_c) + m).cpu()
+
+
+def decode_retrieved_reference(q, k, v, seq_lens, n_prefill, log_phi_q, comp_A, comp_b, comp_shift, idx, *,
+                               retrieved, n_sink: int, n_tail: int, top_k: int, scale: float | None = None,
+                               page_size: int = 0, rows: torch.Tensor | None = None,
+                               anchors_compact: bool = False) -> torch.Tensor:
+    """fp64 reference of ``macattn.plugins.retrieval_completion.op.decode_retrieved_triton`` (the tail every
+    selector shares), same arguments: anchors in ``k / v [B, Hkv, T, d]`` at their positions or in item order
+    (``anchors_compact``), retrieved positions ``idx [B, Hq or Hkv, K]`` (those outside the row's mid
+    skipped), read from ``retrieved = (kr, vr, log_phi_k)`` at those positions or at ``rows``; the completion
+    applies iff ``top_k`` tokens (``page_size = 0``) / pages miss some of the mid (``mid_pages``).
+    ``out [B, Hq, d]`` in q's dtype."""
+    B, Hq, d = q.shape
+    Hkv = k.shape[1]
+    grp = Hq // Hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    kr, vr, lpk = retrieved
+    rows = idx if rows is None else rows
+    per_kv = idx.shape[1] == Hkv and grp > 1
+    out = torch.empty(B, Hq, d, dtype=torch.float64)
+    for i in range(B):
+        p = partition(int(n_prefill[i]), int(seq_lens[i]), n_sink=n_sink, n_tail=n_tail)
+        n_anchor = p.mid_start + p.seq_len - p.mid_end
+        arow = (torch.arange(n_anchor) if anchors_compact else
+                torch.cat([torch.arange(p.mid_start), torch.arange(p.mid_end, p.seq_len)]))
+        ka = k[i, :, arow].double().repeat_interleave(grp, 0)        # [Hq, n_anchor, d]
+        va = v[i, :, arow].double().repeat_interleave(grp, 0)
+        pos = idx[i].repeat_interleave(grp, 0) if per_kv else idx[i]  # [Hq, K]
+        rr = rows[i].repeat_interleave(grp, 0) if per_kv else rows[i]
+        ok = (pos >= p.mid_start) & (pos < p.mid_end)
+        gi = torch.arange(Hq) // grp
+        rsafe = torch.where(ok, rr, 0)
+        kk = kr[i][gi[:, None], rsafe].double()                       # [Hq, K, d]
+        vk = vr[i][gi[:, None], rsafe].double()
+        qd = q[i].double()
+        le = torch.cat([scale * torch.einsum("hd,htd->ht", qd, ka),
+                        (scale * torch.einsum("hd,htd->ht", qd, kk)).masked_fill(~ok, -math.inf)], 1)
+        vv = torch.cat([va, vk], 1)
+        if page_size:
+            use = top_k < mid_pages(p, page_size)[1]
+        else:
+            use = top_k < p.mid_len
+        comp_i = None
+        if use:
+            lpk_sel = lpk[i][gi[:, None], rsafe].double().masked_fill(~ok[..., None], -math.inf)
+            comp_i = (log_phi_q[i], lpk_sel, vk, comp_A[i][gi], comp_b[i][gi], comp_shift[i][gi])
+        out[i] = _merge_one_normalisation(le, vv, comp_i)[0]
+    return out.to(q.dtype)
+
+
+def _mid_page_choice(q_i: torch.Tensor, k_row: torch.Tensor, n_prefill: int, n_sink: int, n_tail: int,
+                     page_size: int, budget: int) -> torch.Tensor:
+    """The page selector of one row: ``q_i [Hq, d]``, ``k_row [Hkv, L, d]`` (the keys in its cache, whose
+    bounds the state keeps) -> ``[Hkv, budget]`` absolute page indices (``select_mid_pages_reference``)."""
+    lo, hi = page_bounds(k_row, page_size)
+    return select_mid_pages_reference(q_i[None], lo[None], hi[None], torch.tensor([n_prefill]), n_sink=n_sink,
+                                      n_tail=n_tail, page_size=page_size, budget=budget)[0]
+
+
+def select_mid_pages_reference(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_prefill: torch.Tensor, *,
+                               n_sink: int, n_tail: int, page_size: int, budget: int) -> torch.Tensor:
+    """``select_pages_reference`` over each row's ``mid_pages``: ``q [B, Hq, d]``, ``lo / hi [B, Hkv, P, d]``
+    bounds of absolute pages, ``n_prefill [B]`` -> ``[B, Hkv, budget]`` int64 absolute page indices,
+    ascending, -1 past the selectable ones (the contract of ``macattn.plugins.retrieval_completion.op.
+    select_mid_pages``)."""
+    B, Hkv, P = lo.shape[0], lo.shape[1], lo.shape[2]
+    first = n_sink // page_size
+    counts = [mid_pages(partition(int(n), int(n), n_sink=n_sink, n_tail=n_tail), page_size)[1]
+              for n in n_prefill.tolist()]
+    if first >= P or budget == 0:
+        return torch.full((B, Hkv, budget), -1, dtype=torch.int64)
+    chosen = select_pages_reference(q, lo[:, :, first:], hi[:, :, first:], torch.tensor(counts), budget).cpu()
+    return torch.where(chosen >= 0, chosen + first, chosen)
+
+
+def page_retrieval_completion_step(q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A, comp_b,
+                                   comp_shift, *, n_sink: int, n_tail: int, page_size: int, budget_pages: int,
+                                   scale: float | None = None, pages: torch.Tensor | None = None) -> torch.Tensor:
+    """The page-selector decode step (the GPU-resident and offloaded ops' reference): inputs as
+    ``retrieval_completion_step``; ``budget_pages`` pages of ``page_size`` tokens per KV head chosen by Quest
+    bounds among the pages overlapping the mid, all their mid tokens retrieved (no token refinement);
+    ``pages`` replays a selection ``[B, Hkv, budget_pages]``. ``out [B, Hq, d]`` in q's dtype."""
+    check_int("page_size", page_size, 1)
+    return hybrid_decode_step(q, k_cache, v_cache, seq_lens, n_prefill, n_sink=n_sink, n_tail=n_tail,
+                              top_k=budget_pages, scale=scale, page_size=page_size, pages=pages,
+                              completion=(log_phi_q, log_phi_k, comp_A, comp_b, comp_shift))
 
 
 def retrieval_completion_step(q, k_cache, v_cache, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A, comp_b,

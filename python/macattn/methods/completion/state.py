@@ -11,6 +11,9 @@ log_phi_k[l]    ``[S, Hkv, T, F]``      fp32: log φ_k of every cached key (mid 
 comp_a[l]       ``[S, Hkv, F, d]``      fp32: stable completion cache ``A`` of the mid region
 comp_b[l]       ``[S, Hkv, F]``         fp32: ``b``
 comp_shift[l]   ``[S, Hkv, F]``         fp32: per-feature shift ``c``
+page_lo[l],     ``[S, Hkv, P, d]``      fp32, only with ``page_size`` (the page selector): per-channel min /
+page_hi[l]                              max of the keys of each page of ``page_size`` tokens, over the
+                                        tokens in the cache (pages with none: +inf / -inf)
 seq_len         ``[S]``                 int64: tokens in the slot's cache (0 = empty)
 n_prefill       ``[S]``                 int64: the request's prefill length ``N``
 in_use          ``[S]``                 bool
@@ -27,10 +30,11 @@ from dataclasses import dataclass, field
 import torch
 
 from macattn.core.slot_pool import SlotPool
+from macattn.methods.completion.reference import page_bounds
 
 __all__ = ["CompletionState"]
 
-_PER_LAYER = ("k", "v", "log_phi_k", "comp_a", "comp_b", "comp_shift")
+_PER_LAYER = ("k", "v", "log_phi_k", "comp_a", "comp_b", "comp_shift", "page_lo", "page_hi")
 
 
 @dataclass
@@ -49,11 +53,16 @@ class CompletionState(SlotPool):
     n_prefill: torch.Tensor
     in_use: torch.Tensor
     _free: list[int] = field(default_factory=list, repr=False)
+    page_lo: list[torch.Tensor] = field(default_factory=list)
+    page_hi: list[torch.Tensor] = field(default_factory=list)
+    page_size: int = 0
 
     @classmethod
     def allocate(cls, *, num_layers: int, num_slots: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
-                 feature_dim: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> "CompletionState":
+                 feature_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 page_size: int = 0) -> "CompletionState":
+        """All rows zero. ``page_size >= 1`` adds the page bounds ``page_lo / page_hi`` (``P = ceil(max_seq_len /
+        page_size)``), 0 leaves them out."""
         for name, val in (("num_layers", num_layers), ("num_slots", num_slots), ("num_kv_heads", num_kv_heads),
                           ("max_seq_len", max_seq_len), ("head_dim", head_dim), ("feature_dim", feature_dim)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
@@ -61,10 +70,31 @@ class CompletionState(SlotPool):
         s, h, t, d, f = num_slots, num_kv_heads, max_seq_len, head_dim, feature_dim
         z = lambda *shape, dt=torch.float32: [torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
                                              for _ in range(num_layers)]
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 0:
+            raise ValueError(f"page_size must be an int >= 0, got {page_size!r}")
+        P = -(-t // page_size) if page_size else 0
+        bounds = (z(s, h, P, d), z(s, h, P, d)) if page_size else ([], [])
         return cls(z(s, h, t, d, dt=dtype), z(s, h, t, d, dt=dtype), z(s, h, t, f), z(s, h, f, d), z(s, h, f),
                    z(s, h, f), torch.zeros(s, dtype=torch.int64, device=device),
                    torch.zeros(s, dtype=torch.int64, device=device), torch.zeros(s, dtype=torch.bool),
-                   list(range(num_slots - 1, -1, -1)))
+                   list(range(num_slots - 1, -1, -1)), *bounds, page_size)
+
+    def set_page_bounds(self, layer: int, slot: int, key: torch.Tensor) -> None:
+        """Bounds of ``slot``'s pages after its prefill keys ``key [Hkv, N, d]``: pages of those tokens from
+        them, the others empty (+inf / -inf) until ``extend_page_bounds`` fills them."""
+        lo, hi = page_bounds(key, self.page_size, torch.float32)
+        n = lo.shape[1]
+        self.page_lo[layer][slot, :, :n], self.page_hi[layer][slot, :, :n] = lo, hi
+        self.page_lo[layer][slot, :, n:], self.page_hi[layer][slot, :, n:] = float("inf"), float("-inf")
+
+    def extend_page_bounds(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, key: torch.Tensor) -> None:
+        """Fold the keys ``key [B, Hkv, d]`` appended at ``positions [B]`` of ``slots [B]`` into their pages'
+        bounds (device ops, no host sync)."""
+        page = positions // self.page_size
+        lo, hi = self.page_lo[layer], self.page_hi[layer]
+        kf = key.float()
+        lo[slots, :, page] = torch.minimum(lo[slots, :, page], kf)
+        hi[slots, :, page] = torch.maximum(hi[slots, :, page], kf)
 
     @property
     def num_layers(self) -> int:
@@ -86,5 +116,5 @@ class CompletionState(SlotPool):
     def is_empty(self, slot: int) -> bool:
         """True when every row of ``slot`` is zero (what ``reset`` leaves)."""
         self._check_slot(slot)
-        rows = [getattr(self, n)[i][slot] for n in _PER_LAYER for i in range(self.num_layers)]
+        rows = [t[slot] for n in _PER_LAYER for t in getattr(self, n)]
         return all(not bool(r.any()) for r in rows) and int(self.seq_len[slot]) == 0 and int(self.n_prefill[slot]) == 0
