@@ -25,15 +25,16 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 __all__ = ["KernelSpec", "AotImage", "compile_image", "constant_dim", "static_dim", "same_dim", "triton_ptr_type", "SM90", "HIDDEN_PARAMS",
-           "FLOATS", "AOT_TRITON_VERSION", "AOT_PTX_ISA", "check_int_attrs", "check_input_ranks", "check_dims_fit", "check_dtypes", "pow2_head_dim", "destination"]
+           "FLOATS", "AOT_TRITON_PTX_ISA", "check_int_attrs", "check_input_ranks", "check_dims_fit", "check_dtypes", "pow2_head_dim", "destination"]
 
 SM90 = 90
 HIDDEN_PARAMS = 2
-# The images are made with this Triton only: its kernels end in HIDDEN_PARAMS scratch pointers, and its PTX is
-# ISA 9.4 for sm_90a — a driver that JIT-compiles the PTX (what TensorRT's AOT path receives) must support PTX
-# ISA 9.4, else CUDA_ERROR_UNSUPPORTED_PTX_VERSION; the cubin needs an sm_90 GPU (H100 / H200).
-AOT_TRITON_VERSION = "3.9.0"
-AOT_PTX_ISA = "9.4"
+# The images are made only with the Tritons they were verified with (3.9.0 here and in CI, 3.6.0 on the
+# device machine, where the images are launched against the reference): their kernels end in HIDDEN_PARAMS
+# scratch pointers, and their PTX targets sm_90a at the ISA below — a driver that JIT-compiles the PTX (what
+# TensorRT's AOT path receives) must support that ISA, else CUDA_ERROR_UNSUPPORTED_PTX_VERSION; the cubin
+# needs an sm_90 GPU (H100 / H200).
+AOT_TRITON_PTX_ISA = {"3.6.0": "9.0", "3.9.0": "9.4"}
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)   # the activations' dtypes the plugins take
 
 _PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64",
@@ -213,9 +214,9 @@ def compile_image(spec: KernelSpec, arch: int = SM90) -> AotImage:
         raise RuntimeError("TRITON_INTERPRET=1: kernels are interpreted, not compiled; use KernelSpec.launch_jit")
     import triton
 
-    if triton.__version__ != AOT_TRITON_VERSION:
-        raise RuntimeError(f"AOT images are made with triton=={AOT_TRITON_VERSION} (hidden parameters, PTX ISA "
-                           f"{AOT_PTX_ISA}); found triton {triton.__version__}")
+    if triton.__version__ not in AOT_TRITON_PTX_ISA:
+        raise RuntimeError(f"AOT images are made only with triton in {sorted(AOT_TRITON_PTX_ISA)} (hidden parameters, "
+                           f"PTX ISA per version: {AOT_TRITON_PTX_ISA}); found triton {triton.__version__}")
     compiled = _compile_cached(spec.kernel, spec.signature, spec.constexprs, spec.num_warps, spec.num_stages, arch)
     return AotImage(spec=spec, kernel_name=compiled.metadata.name, ptx=compiled.asm["ptx"],
                     cubin=compiled.asm["cubin"], block=(compiled.metadata.num_warps * 32, 1, 1),
