@@ -62,8 +62,9 @@ def long_generate(model, method: EvalMethod | None, document: torch.Tensor, toke
     """Prefill ``document [1, L]`` (int64), generate ``tokens`` tokens free-running, feed ``question`` and
     answer ``answer_len`` tokens greedily, all with ``method`` attached (None: the model's own attention).
     Returns ``{"generated": [tokens], "answer": [answer_len], "seconds": decode time}``; the method's
-    recorder (if any) holds one entry per decode step: ``tokens - 1`` generation steps, then
-    ``len(question)`` question steps, then ``answer_len - 1`` answer steps."""
+    recorder (if any) holds one entry per decode step: ``tokens - 1`` generation steps (each yields the
+    next token), one feeding the last generated token, ``len(question)`` question steps (the last yields
+    the first answer token), then ``answer_len - 1`` answer steps."""
     if answer_len < 1 or not question:
         raise ValueError(f"question must be non-empty and answer_len >= 1, got {len(question)} and {answer_len}")
     device = next(model.parameters()).device
