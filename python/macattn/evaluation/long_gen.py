@@ -164,7 +164,7 @@ def run_long_gen(model, methods: Sequence[EvalMethod], settings: LongGenSettings
                 torch=torch.__version__, summary=summary, samples=per_sample)
 
 
-def plot_long_gen(result: dict, path) -> "Path":
+def plot_long_gen(result: dict, path):
     """PNG: per method (rows), per-layer hit fraction and skipped prefix over the generated tokens (first
     sample), with the first divergence from full attention marked."""
     from pathlib import Path

@@ -1,6 +1,5 @@
 """The calibrated threshold (``match_scale``): matching ``q~ / s`` at the unit radius is the per-head test
 ``||q~_m - q~_p|| < s_h sqrt(2d)(1 - tau)``, and every surface runs it."""
-import math
 
 import pytest
 import torch
