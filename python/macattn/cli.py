@@ -60,6 +60,15 @@ def _cmd_serve(args) -> int:
     return 0
 
 
+def _llm_kwargs(args) -> dict:
+    """``LLM`` keyword arguments of ``macattn serve --model``: MAC off (``--no-mac``), a per-layer file
+    (``--per-layer``, from ``macattn tune``) or MAC's defaults."""
+    if args.no_mac and args.per_layer:
+        raise ValueError("give at most one of --no-mac and --per-layer")
+    return dict(device=args.device, max_batch_size=args.max_batch_size, prefill_chunk=args.prefill_chunk,
+                mac="off" if args.no_mac else args.per_layer)
+
+
 def _serve_openai(args) -> int:
     import signal
 
@@ -68,8 +77,7 @@ def _serve_openai(args) -> int:
     from macattn.apps.llm import LLM
     from macattn.apps.openai_server import build_app
 
-    with LLM(args.model, device=args.device, max_batch_size=args.max_batch_size,
-             mac="off" if args.no_mac else None, prefill_chunk=args.prefill_chunk) as llm:
+    with LLM(args.model, **_llm_kwargs(args)) as llm:
         name = args.served_model_name or ("builtin" if args.model == "builtin" else str(args.model))
         # uvicorn stops on SIGINT / SIGTERM (no new connections, in-flight requests get the grace period),
         # then re-raises the signal under the handlers it found: these swallow it, so the exit status is 0
@@ -148,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--device", default="cpu")
     srv.add_argument("--max-batch-size", type=int, default=8)
     srv.add_argument("--no-mac", action="store_true", help="full attention instead of MAC (OpenAI server)")
+    srv.add_argument("--per-layer", default=None,
+                     help="MacConfig JSON (from macattn tune) the OpenAI server's MAC runs (for --repo: pass it "
+                          "to macattn triton-repo --per-layer)")
     srv.add_argument("--prefill-chunk", type=int, default=None,
                      help="prompt tokens prefilled per engine step, between decode steps (OpenAI server; "
                           "default: whole prompts)")

@@ -191,3 +191,20 @@ def test_cli_min_agreement_on_an_hf_checkpoint_dir(tmp_path):
     ids = torch.randint(0, 2048, (40,), generator=torch.Generator().manual_seed(2))
     toks = ModelRunner.from_hf(_small_model(), cfg, max_batch_size=1).generate([ids], max_new_tokens=3)
     assert toks.shape[-1] >= 43
+
+
+def test_a_tuned_file_reaches_the_openai_server_and_the_llm_api(tmp_path):
+    from macattn.apps.llm import LLM
+    from macattn.cli import _llm_kwargs, build_parser
+
+    cfg = MacConfig(tau=0.6, window=64, band=16).with_match_scales([[1.5]] * 8).with_overrides({3: {"tau": 0.9}})
+    cfg.save(tmp_path / "per_layer.json")
+    args = build_parser().parse_args(["serve", "--model", "builtin", "--per-layer", str(tmp_path / "per_layer.json")])
+    kw = _llm_kwargs(args)
+    with LLM("builtin", **kw) as llm:
+        assert llm.engine.method.config == cfg
+        out = llm.generate([5, 6, 7, 8] * 20)
+        assert out.outputs[0].token_ids
+    bad = build_parser().parse_args(["serve", "--model", "builtin", "--no-mac", "--per-layer", "x.json"])
+    with pytest.raises(ValueError, match="at most one of --no-mac and --per-layer"):
+        _llm_kwargs(bad)

@@ -1,4 +1,5 @@
-"""``macattn tune``: per-layer MAC ``tau``, ``K``, ``r`` that maximise KV skip under an error budget.
+"""``macattn tune``: per-layer MAC ``tau``, ``K``, ``r`` (and calibrated thresholds) that maximise KV skip
+under an error budget or an agreement target.
 
 Calibration prompts are RULER-style samples (``macattn.evaluation.tasks``) decoded greedily with
 full attention. Every candidate ``(tau, K, r)`` of the grid (the global default included) runs on
@@ -13,7 +14,18 @@ over budget after that gets the global default back).
 
 Finally default and tuned configs are measured on held-out prompts (another seed) and the report
 says whether the tuned config has at least the default's skip at equal-or-lower mean error there.
-The written file is a ``MacConfig`` JSON (``macattn build --per-layer``, ``MacConfig.load``).
+
+Quality first (``--min-agreement A``, ``tune_for_agreement``): the user names the fidelity — greedy
+agreement with full attention, and optionally ``--max-error`` per layer — and gets the most KV skip it
+allows. Candidates run under the paper's threshold and/or the calibrated one (``--thresholds``: per-head
+query scales estimated on the calibration prompts, ``macattn.evaluation.calibration``); per-layer
+configs along a ladder of error levels are measured as whole models (agreement is not per layer); the
+feasible ones by falling skip are checked on held-out prompts, and the first meeting the target there
+is written. Every explored point is in the report and on the frontier PNG (``plot_frontier``).
+
+The written file is a ``MacConfig`` JSON, what every surface takes: ``macattn build / generate
+--per-layer``, ``LLM(..., mac=FILE)``, ``macattn serve`` (through the engine dir or ``--per-layer`` of
+``macattn triton-repo``), ``MacConfig.load``.
 """
 from __future__ import annotations
 
