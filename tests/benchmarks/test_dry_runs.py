@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
     ("bench_serving.py", "output tok/s"),
     ("bench_engine_steps.py", "prefill_chunk"),
     ("eval_completion_budgets.py", "top-k only pages"),
+    ("eval_calibrated_threshold.py", "skip at equal agreement"),
 ])
 def test_benchmark_dry_run(script, expect):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--dry-run"], cwd=ROOT,
