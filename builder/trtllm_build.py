@@ -105,6 +105,9 @@ def plugin_fields(cfg, head_dim: int) -> dict[str, dict[str, float | int]]:
     """
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
         raise ValueError(f"head_dim must be an int >= 1, got {head_dim!r}")
+    if cfg.match_scale:
+        raise ValueError("match_scale (the calibrated threshold) is not in the TensorRT-LLM attention swap, whose "
+                         "graph feeds the plugin the raw pre-RoPE query; accepted: match_scale=() (the paper's rule)")
     # field order = the plugins' registration order: upstream's AOT plugin passes attributes positionally
     return {MATCH_ID: {"band": int(cfg.band), "tau": float(cfg.tau)},
             ATTEND_ID: {"band": int(cfg.band), "scale": float(head_dim) ** -0.5}}

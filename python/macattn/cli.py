@@ -76,6 +76,25 @@ def _cmd_serve(args) -> int:
     return 0
 
 
+def _llm_kwargs(args) -> dict:
+    """``LLM`` keyword arguments of ``macattn serve --model``: the method (``--method``; ``--no-mac`` = full),
+    MAC's per-layer file (``--per-layer``, from ``macattn tune``), retrieval-completion's options, ranks (``--tp``)."""
+    if args.no_mac and args.per_layer:
+        raise ValueError("give at most one of --no-mac and --per-layer")
+    method = args.method or ("full" if args.no_mac else "mac")
+    if args.per_layer and method != "mac":
+        raise ValueError(f"--per-layer configures MAC; got --method {method}")
+    completion = {}
+    if method == "completion":
+        completion = dict(completion_maps=args.completion_maps, kv_offload=args.kv_offload,
+                          prefix_store=args.prefix_store)
+    elif args.kv_offload or args.prefix_store or args.completion_maps:
+        raise ValueError(f"--kv-offload / --prefix-store / --completion-maps need --method completion, got {method!r}")
+    return dict(device=args.device, max_batch_size=args.max_batch_size, method=method,
+                mac=args.per_layer if method == "mac" else None, prefill_chunk=args.prefill_chunk,
+                max_seq_len=args.max_seq_len, tensor_parallel_size=args.tp, **completion)
+
+
 def _serve_openai(args) -> int:
     import signal
 
@@ -84,16 +103,7 @@ def _serve_openai(args) -> int:
     from macattn.apps.llm import LLM
     from macattn.apps.openai_server import build_app
 
-    method = args.method or ("full" if args.no_mac else "mac")
-    completion = {}
-    if method == "completion":
-        completion = dict(completion_maps=args.completion_maps, kv_offload=args.kv_offload,
-                          prefix_store=args.prefix_store)
-    elif args.kv_offload or args.prefix_store or args.completion_maps:
-        raise ValueError(f"--kv-offload / --prefix-store / --completion-maps need --method completion, got {method!r}")
-    with LLM(args.model, device=args.device, max_batch_size=args.max_batch_size, method=method,
-             mac=("off" if args.no_mac else None) if method == "mac" else None, prefill_chunk=args.prefill_chunk,
-             max_seq_len=args.max_seq_len, tensor_parallel_size=args.tp, **completion) as llm:
+    with LLM(args.model, **_llm_kwargs(args)) as llm:
         name = args.served_model_name or ("builtin" if args.model == "builtin" else str(args.model))
         # uvicorn stops on SIGINT / SIGTERM (no new connections, in-flight requests get the grace period),
         # then re-raises the signal under the handlers it found: these swallow it, so the exit status is 0
@@ -191,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--completion-maps", default=None,
                      help="--method completion: distilled feature maps directory (default: untrained init)")
     srv.add_argument("--max-seq-len", type=int, default=None, help="prompt + generated tokens per request")
+    srv.add_argument("--per-layer", default=None,
+                     help="MacConfig JSON (from macattn tune) the OpenAI server's MAC runs (for --repo: pass it "
+                          "to macattn triton-repo --per-layer)")
     srv.add_argument("--prefill-chunk", type=int, default=None,
                      help="prompt tokens prefilled per engine step, between decode steps (OpenAI server; "
                           "default: whole prompts)")

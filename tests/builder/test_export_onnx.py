@@ -200,6 +200,18 @@ def test_onnx_decode_matches_torch(family, tmp_path):
     _decode_and_compare(model, info.path)
 
 
+def test_calibrated_threshold_graph_matches_torch(tmp_path):
+    """``match_scale`` (the calibrated threshold, one scale per head) is in the exported decode graph: the
+    query MAC matches and stores is ``q~ / s``, so ONNX Runtime's decisions and rings equal torch's."""
+    model = build_builtin_model("llama", seed=5, **SMALL)
+    g = torch.Generator().manual_seed(6)
+    scales = [(torch.rand(SMALL["num_attention_heads"], generator=g) + 0.5).tolist() for _ in range(N)]
+    patch_model(model, MAC_ON.with_match_scales(scales))
+    info = export_decode_onnx(model, tmp_path / "decode.onnx")
+    assert info.custom_nodes == {"MacMatch": N, "MacAttend": N}
+    _decode_and_compare(model, info.path)
+
+
 def test_mac_off_graph_equals_full_attention(tmp_path):
     model = build_builtin_model("llama", seed=4, **SMALL)
     ids = _ids()

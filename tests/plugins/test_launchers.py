@@ -135,7 +135,7 @@ def test_register_kernels_is_explicit_and_idempotent():
 
     names = kernels.register_kernels()
     assert names == ("macattn::mac_match", "macattn::mac_attend", "macattn::route_fused_attention",
-                     "macattn::completion_cache", "macattn::retrieval_completion")
+                     "macattn::completion_cache", "macattn::retrieval_completion", "macattn::page_retrieval_completion")
     launchers = kernels.registered_kernels()
     assert set(launchers) == set(names)
     # again: the same names, nothing registered twice (the same launcher instances)

@@ -1,4 +1,5 @@
-"""``macattn tune``: per-layer MAC ``tau``, ``K``, ``r`` that maximise KV skip under an error budget.
+"""``macattn tune``: per-layer MAC ``tau``, ``K``, ``r`` (and calibrated thresholds) that maximise KV skip
+under an error budget or an agreement target.
 
 Calibration prompts are RULER-style samples (``macattn.evaluation.tasks``) decoded greedily with
 full attention. Every candidate ``(tau, K, r)`` of the grid (the global default included) runs on
@@ -13,7 +14,18 @@ over budget after that gets the global default back).
 
 Finally default and tuned configs are measured on held-out prompts (another seed) and the report
 says whether the tuned config has at least the default's skip at equal-or-lower mean error there.
-The written file is a ``MacConfig`` JSON (``macattn build --per-layer``, ``MacConfig.load``).
+
+Quality first (``--min-agreement A``, ``tune_for_agreement``): the user names the fidelity — greedy
+agreement with full attention, and optionally ``--max-error`` per layer — and gets the most KV skip it
+allows. Candidates run under the paper's threshold and/or the calibrated one (``--thresholds``: per-head
+query scales estimated on the calibration prompts, ``macattn.evaluation.calibration``); per-layer
+configs along a ladder of error levels are measured as whole models (agreement is not per layer); the
+feasible ones by falling skip are checked on held-out prompts, and the first meeting the target there
+is written. Every explored point is in the report and on the frontier PNG (``plot_frontier``).
+
+The written file is a ``MacConfig`` JSON, what every surface takes: ``macattn build / generate
+--per-layer``, ``LLM(..., mac=FILE)``, ``macattn serve`` (through the engine dir or ``--per-layer`` of
+``macattn triton-repo``), ``MacConfig.load``.
 """
 from __future__ import annotations
 
@@ -26,12 +38,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from macattn.core.validation import check_choice, check_float
 from macattn.methods.mac.config import MacConfig
 from macattn.models.generation import greedy_decode
 
-__all__ = ["TuneSettings", "calibration_prompts", "measure", "tune", "register"]
+__all__ = ["TuneSettings", "calibration_prompts", "measure", "measure_many", "tune", "tune_for_agreement",
+           "plot_frontier", "register"]
 
 _HELD_OUT_OFFSET = 104729   # sample-seed offset of the held-out prompts (disjoint from calibration's)
+THRESHOLD_MODES = ("paper", "calibrated", "both")   # the threshold rules the agreement search tries
 
 
 def _floats(name, xs, lo, hi):
@@ -65,6 +80,10 @@ class TuneSettings:
     gen: int = 32
     seed: int = 0
     max_rounds: int = 4
+    min_agreement: float | None = None
+    thresholds: str = "paper"
+    levels: int = 8
+    verify: int = 3
 
     def __post_init__(self):
         _floats("taus", self.taus, 0.0, 1.0)
@@ -74,8 +93,17 @@ class TuneSettings:
         if self.error_budget is not None and not (isinstance(self.error_budget, (int, float))
                                                   and math.isfinite(self.error_budget) and self.error_budget > 0):
             raise ValueError(f"error_budget must be a float > 0 or None, got {self.error_budget!r}")
-        for name, lo in (("n", 1), ("gen", 2), ("max_rounds", 1)):
+        for name, lo in (("n", 1), ("gen", 2), ("max_rounds", 1), ("levels", 1), ("verify", 1)):
             _ints(name, (getattr(self, name),), lo)
+        if self.min_agreement is not None:
+            check_float("min_agreement", self.min_agreement, 0.0, 1.0, lo_open=True)
+        check_choice("thresholds", self.thresholds, THRESHOLD_MODES)
+
+    def candidates(self) -> list[dict]:
+        """``{tau, window, band, calibrated}`` of the agreement search: the grid under each threshold rule."""
+        rules = {"paper": (False,), "calibrated": (True,), "both": (False, True)}[self.thresholds]
+        return [dict(tau=float(t), window=int(k), band=int(r), calibrated=c)
+                for c in rules for t, k, r in itertools.product(self.taus, self.windows, self.bands)]
 
     def grid(self, base: MacConfig) -> list[dict]:
         """Candidates ``{tau, window, band}``, the base's global values first."""
@@ -105,25 +133,39 @@ def calibration_prompts(model, settings: TuneSettings, encode, haystack_ids, bos
     return out
 
 
+def measure_many(model, configs: list, prompts: list, *, progress: bool = False) -> list[dict]:
+    """``measure`` of each of ``configs`` over ``prompts``, one prefill per prompt (``evaluation.methods.Prefill``
+    replayed into every config: same tokens and statistics as separate runs)."""
+    from macattn.evaluation.methods import Mac, Prefill
+
+    gen = max(len(r) for _, r in prompts)
+    methods = [Mac(c, gen_len=gen) for c in configs]
+    agree = [0] * len(configs)
+    steps = 0
+    for prompt, ref in tqdm(prompts, desc="measure", disable=not progress, leave=False):
+        pre = Prefill.of(model, prompt)
+        for j, m in enumerate(methods):
+            toks = m.run(model, prompt, len(ref), forced=ref, prefilled=pre)
+            agree[j] += sum(a == b for a, b in zip(toks, ref))
+        steps += len(ref)
+        del pre
+    out = []
+    for m, a in zip(methods, agree):
+        rec = m.recorder
+        L = rec.num_layers
+        err = [sum(e) / len(e) if e else 0.0 for e in rec.errors]
+        skip = [rec.skipped[i] / max(1, rec.steps[i]) for i in range(L)]
+        out.append(dict(error=err, skip=skip, hit_rate=[rec.hits[i] / max(1, rec.steps[i]) for i in range(L)],
+                        kv_read_fraction=sum(rec.read) / max(1.0, sum(rec.context)), greedy_agreement=a / steps,
+                        decode_steps=steps, mean_skip=sum(skip) / L, mean_error=sum(err) / L, max_error=max(err)))
+    return out
+
+
 def measure(model, config: MacConfig, prompts: list) -> dict:
     """Per-layer mean relative error, KV skip, hit rate and KV read fraction of ``config`` over
-    ``prompts`` (``[(prompt, full tokens)]``), plus greedy agreement and layer means."""
-    from macattn.evaluation.methods import Mac
-
-    m = Mac(config, gen_len=max(len(r) for _, r in prompts))
-    agree = steps = 0
-    for prompt, ref in prompts:
-        with m.attach(model):
-            toks, _ = greedy_decode(model, prompt, len(ref), forced=ref, desc="measure")
-        agree += sum(a == b for a, b in zip(toks, ref))
-        steps += len(ref)
-    rec = m.recorder
-    L = rec.num_layers
-    err = [sum(e) / len(e) if e else 0.0 for e in rec.errors]
-    skip = [rec.skipped[i] / max(1, rec.steps[i]) for i in range(L)]
-    return dict(error=err, skip=skip, hit_rate=[rec.hits[i] / max(1, rec.steps[i]) for i in range(L)],
-                kv_read_fraction=sum(rec.read) / max(1.0, sum(rec.context)), greedy_agreement=agree / steps,
-                mean_skip=sum(skip) / L, mean_error=sum(err) / L, max_error=max(err))
+    ``prompts`` (``[(prompt, full tokens)]``), plus greedy agreement (teacher-forced on the full tokens)
+    and layer means."""
+    return measure_many(model, [config], prompts)[0]
 
 
 def tune(model, settings: TuneSettings, prompts: list, *, base: MacConfig | None = None,
@@ -132,8 +174,8 @@ def tune(model, settings: TuneSettings, prompts: list, *, base: MacConfig | None
     base = base or MacConfig()
     L = model.config.num_hidden_layers
     grid = settings.grid(base)
-    stats = [measure(model, MacConfig(**c, miss_policy=base.miss_policy), prompts)
-             for c in tqdm(grid, desc="tune grid", disable=not progress)]
+    stats = measure_many(model, [MacConfig(**c, miss_policy=base.miss_policy) for c in grid], prompts,
+                         progress=progress)
     default = stats[0]
     budget = ([settings.error_budget] * L if settings.error_budget is not None else list(default["error"]))
     ranked = []
@@ -177,44 +219,221 @@ def tune(model, settings: TuneSettings, prompts: list, *, base: MacConfig | None
     return cfg, report
 
 
+def _candidate_config(c: dict, base: MacConfig, scales) -> MacConfig:
+    """The uniform config of search candidate ``c`` (every layer at its tau / K / r, calibrated or not)."""
+    cfg = MacConfig(tau=c["tau"], window=c["window"], band=c["band"], miss_policy=base.miss_policy)
+    return cfg.with_match_scales(scales) if c["calibrated"] else cfg
+
+
+def _layer_override(c: dict | None, layer: int, scales) -> dict:
+    if c is None:
+        return dict(enabled=False)
+    over = dict(tau=c["tau"], window=c["window"], band=c["band"])
+    if c["calibrated"]:
+        over["match_scale"] = tuple(scales[layer])
+    return over
+
+
+def _meets(stats: dict, settings: TuneSettings) -> bool:
+    ok = stats["greedy_agreement"] >= settings.min_agreement - 1e-12
+    return ok and (settings.error_budget is None or stats["max_error"] <= settings.error_budget * (1 + 1e-9))
+
+
+def tune_for_agreement(model, settings: TuneSettings, prompts: list, held_out: list, *,
+                       base: MacConfig | None = None, progress: bool = True) -> tuple[MacConfig, dict]:
+    """Quality-first search: the per-layer config with the most KV skip whose greedy agreement with full
+    attention is at least ``settings.min_agreement`` (and, with ``error_budget``, whose per-layer mean error
+    stays within it) on the calibration ``prompts`` and on the ``held_out`` ones.
+
+    1. Calibrated threshold (``thresholds`` "calibrated" / "both"): per-head query scales from ``prompts``.
+    2. Every candidate (``TuneSettings.candidates``) runs on all layers at once over ``prompts``: per layer its
+       error and skip, and the uniform config's agreement (a frontier point).
+    3. For ``levels`` error levels (quantiles of the per-layer errors) each layer takes its largest-skip
+       candidate within the level (none: MAC off in that layer); each such per-layer config is measured
+       over ``prompts`` (another frontier point; agreement is a whole-model property).
+    4. Feasible points by falling skip are checked on ``held_out`` (at most ``verify``); the first that meets
+       the target there is returned. None meeting it: the one with the best held-out agreement, and the
+       report says ``target_met: False``.
+    Returns ``(config, report)``; the report holds every explored point (``frontier``) for ``plot_frontier``.
+    """
+    if settings.min_agreement is None:
+        raise ValueError("tune_for_agreement needs settings.min_agreement (a float in (0, 1])")
+    if not held_out:
+        raise ValueError("held_out must hold at least one (prompt, full tokens) pair: the target is checked there")
+    base = base or MacConfig()
+    L = model.config.num_hidden_layers
+    scales = None
+    if settings.thresholds != "paper":
+        from macattn.evaluation.calibration import calibrate_match_scales
+
+        scales = calibrate_match_scales(model, [p for p, _ in prompts], per_head=True, progress=progress)
+    cands = settings.candidates()
+    stats = measure_many(model, [_candidate_config(c, base, scales) for c in cands], prompts, progress=progress)
+    frontier = [dict(kind="uniform " + ("calibrated" if c["calibrated"] else "paper"), candidate=c,
+                     config=_candidate_config(c, base, scales).to_dict(), calibration=st)
+                for c, st in zip(cands, stats)]
+    errs = sorted({st["error"][i] for st in stats for i in range(L)})
+    qs = [errs[min(len(errs) - 1, round(k * (len(errs) - 1) / max(1, settings.levels - 1)))]
+          for k in range(settings.levels)] if settings.levels > 1 else [errs[-1]]
+    if settings.error_budget is not None:
+        qs = sorted({min(q, settings.error_budget) for q in qs})
+    level_cfgs, seen = [], set()
+    for q in sorted(set(qs)):
+        over = {}
+        for i in range(L):
+            ok = [(st["skip"][i], -st["error"][i], -j) for j, st in enumerate(stats) if st["error"][i] <= q]
+            over[i] = _layer_override(cands[-max(ok)[2]] if ok else None, i, scales)
+        cfg = base.with_overrides(over)
+        if cfg not in seen:
+            seen.add(cfg)
+            level_cfgs.append((q, cfg))
+    level_stats = measure_many(model, [c for _, c in level_cfgs], prompts, progress=progress)
+    frontier += [dict(kind="per-layer", error_level=q, config=c.to_dict(), calibration=st)
+                 for (q, c), st in zip(level_cfgs, level_stats)]
+    configs = [MacConfig.from_dict(f["config"]) for f in frontier]
+    order = sorted((i for i, f in enumerate(frontier) if _meets(f["calibration"], settings)),
+                   key=lambda i: -frontier[i]["calibration"]["mean_skip"])
+    checked = order[:settings.verify]
+    held = measure_many(model, [configs[i] for i in checked], held_out, progress=progress) if checked else []
+    for i, h in zip(checked, held):
+        frontier[i]["held_out"] = h
+    chosen = next((i for i in checked if _meets(frontier[i]["held_out"], settings)), None)
+    met = chosen is not None
+    if chosen is None and checked:
+        chosen = max(checked, key=lambda i: frontier[i]["held_out"]["greedy_agreement"])
+    if chosen is None:   # nothing feasible on the calibration prompts: MAC off everywhere (agreement 1)
+        cfg = base.with_overrides({i: dict(enabled=False) for i in range(L)})
+        frontier.append(dict(kind="off", config=cfg.to_dict(), calibration=measure(model, cfg, prompts),
+                             held_out=measure(model, cfg, held_out)))
+        chosen, configs = len(frontier) - 1, configs + [cfg]
+        met = _meets(frontier[chosen]["held_out"], settings)
+    report = dict(settings=asdict(settings), base=base.to_dict(), match_scales=scales, frontier=frontier,
+                  chosen=chosen, target_met=met, tuned_config=configs[chosen].to_dict(),
+                  calibration_prompts=len(prompts), held_out_prompts=len(held_out),
+                  held_out=frontier[chosen]["held_out"])
+    return configs[chosen], report
+
+
+def plot_frontier(report: dict, path: str | Path) -> Path:
+    """PNG of the explored skip / agreement frontier: every point on the calibration prompts (by kind),
+    the held-out checks, the target and the chosen config."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    marks = {"uniform paper": ("o", "C0"), "uniform calibrated": ("s", "C1"), "per-layer": ("^", "C2"),
+             "off": ("x", "k")}
+    for kind, (mk, col) in marks.items():
+        pts = [f["calibration"] for f in report["frontier"] if f["kind"] == kind]
+        if pts:
+            ax.scatter([p["mean_skip"] for p in pts], [p["greedy_agreement"] for p in pts], marker=mk, color=col,
+                       label=f"{kind} (calibration prompts)", alpha=0.8)
+    held = [f["held_out"] for f in report["frontier"] if "held_out" in f]
+    if held:
+        ax.scatter([h["mean_skip"] for h in held], [h["greedy_agreement"] for h in held], marker="D",
+                   facecolors="none", edgecolors="C3", s=60, label="held-out check")
+    c = report["frontier"][report["chosen"]]["held_out"]
+    ax.scatter([c["mean_skip"]], [c["greedy_agreement"]], marker="*", s=220, color="C3", label="chosen (held-out)")
+    ax.axhline(report["settings"]["min_agreement"], color="gray", ls="--", lw=1, label="target agreement")
+    ax.set_xlabel("KV skip (mean over layers of the skipped prefix)")
+    ax.set_ylabel("greedy agreement with full attention")
+    ax.set_title("macattn tune: explored skip / agreement frontier", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _cmd_tune(args) -> int:
     from macattn.evaluation.harness import _csv, load_eval_model
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    budget = args.error_budget
     settings = TuneSettings(taus=_csv(args.taus, float), windows=_csv(args.windows, int),
                             bands=_csv(args.bands, int),
-                            error_budget=None if args.error_budget == "default" else float(args.error_budget),
-                            lengths=_csv(args.lengths, int), n=args.n, gen=args.gen, seed=args.seed)
+                            error_budget=None if budget in (None, "default") else float(budget),
+                            lengths=_csv(args.lengths, int), n=args.n, gen=args.gen, seed=args.seed,
+                            min_agreement=args.min_agreement, thresholds=args.thresholds, levels=args.levels,
+                            verify=args.verify)
     base = MacConfig(window=args.window, band=args.band, tau=args.tau)
-    model, encode, hay, bos, hay_desc = load_eval_model(args.model, seed=args.seed, haystack=args.haystack)
+    model, encode, hay, bos, hay_desc = load_eval_model(args.model, seed=args.seed, haystack=args.haystack,
+                                                        device=args.device)
     prompts = calibration_prompts(model, settings, encode, hay, bos)
     held = calibration_prompts(model, settings, encode, hay, bos, held_out=True)
-    cfg, report = tune(model, settings, prompts, base=base, held_out=held)
-    report.update(model=args.model, haystack=hay_desc)
+    if settings.min_agreement is None and args.thresholds == "calibrated":
+        from macattn.evaluation.calibration import calibrated_config
+
+        base = calibrated_config(base, model, [p for p, _ in prompts])
+    if settings.min_agreement is not None:
+        cfg, report = tune_for_agreement(model, settings, prompts, held, base=base)
+    else:
+        cfg, report = tune(model, settings, prompts, base=base, held_out=held)
+    report.update(model=args.model, haystack=hay_desc, device=str(next(model.parameters()).device))
     cfg.save(args.out)
     if args.report:
         Path(args.report).parent.mkdir(parents=True, exist_ok=True)
         Path(args.report).write_text(json.dumps(report, indent=1) + "\n")
-    h = report["held_out"]
-    print(f"{'held-out':<10}{'mean skip':>10}{'mean err':>10}{'max err':>10}{'agree':>8}")
-    for name in ("default", "tuned"):
-        e = h[name]
-        print(f"{name:<10}{e['mean_skip']:>10.3f}{e['mean_error']:>10.2e}{e['max_error']:>10.2e}"
-              f"{e['greedy_agreement']:>8.3f}")
-    print(f"tuned beats default (skip >=, mean error <=): {h['tuned_beats_default']}")
+    if settings.min_agreement is not None:
+        print(f"{'explored (calibration prompts)':<34}{'skip':>7}{'agree':>7}{'max err':>9}  held-out skip / agree")
+        for i, f in enumerate(report["frontier"]):
+            c, h = f["calibration"], f.get("held_out")
+            name = f["kind"] + (f" {f['candidate']['tau']}/{f['candidate']['window']}/{f['candidate']['band']}"
+                                if "candidate" in f else f" level {f['error_level']:.3g}" if "error_level" in f else "")
+            tail = f"  {h['mean_skip']:.3f} / {h['greedy_agreement']:.3f}" if h else ""
+            star = " <- chosen" if i == report["chosen"] else ""
+            print(f"{name:<34}{c['mean_skip']:>7.3f}{c['greedy_agreement']:>7.3f}{c['max_error']:>9.2e}{tail}{star}")
+        h = report["held_out"]
+        print(f"target agreement >= {settings.min_agreement} on held-out prompts: "
+              f"{'met' if report['target_met'] else 'NOT met'} (skip {h['mean_skip']:.3f}, "
+              f"agreement {h['greedy_agreement']:.3f} over {h['decode_steps']} steps)")
+        try:
+            png = plot_frontier(report, args.plot or Path(args.out).with_name(Path(args.out).stem + "_frontier.png"))
+            print(f"wrote {png}")
+        except ImportError:
+            print("matplotlib is not installed: no frontier plot")
+    else:
+        h = report["held_out"]
+        print(f"{'held-out':<10}{'mean skip':>10}{'mean err':>10}{'max err':>10}{'agree':>8}")
+        for name in ("default", "tuned"):
+            e = h[name]
+            print(f"{name:<10}{e['mean_skip']:>10.3f}{e['mean_error']:>10.2e}{e['max_error']:>10.2e}"
+                  f"{e['greedy_agreement']:>8.3f}")
+        print(f"tuned beats default (skip >=, mean error <=): {h['tuned_beats_default']}")
     print(f"wrote {args.out}" + (f", {args.report}" if args.report else "")
-          + f" (use with: macattn build --per-layer {args.out})")
+          + f" (use with: macattn build --per-layer {args.out}, macattn generate --per-layer {args.out}, "
+            f"LLM(..., mac='{args.out}'))")
     return 0
 
 
 def register(sub) -> None:
     """Add ``macattn tune`` to the CLI's argparse subparsers."""
-    p = sub.add_parser("tune", help="choose per-layer MAC tau, K, r maximising KV skip under an error budget")
-    p.add_argument("--model", default="trained", help="'trained', 'random' or a checkpoint dir")
+    p = sub.add_parser("tune", help="choose per-layer MAC tau, K, r (and calibrated thresholds) maximising KV skip "
+                                    "under an agreement target (--min-agreement) or an error budget")
+    p.add_argument("--model", default="trained",
+                   help="'trained' (the built-in checkpoint), 'random' or any transformers checkpoint directory")
     p.add_argument("--taus", default="0.3,0.45,0.6,0.75")
     p.add_argument("--windows", default="512,1024,2048")
     p.add_argument("--bands", default="64,128,256")
-    p.add_argument("--error-budget", default="default",
-                   help="per-layer mean attention-output rel. error bound, or 'default' (the default's own)")
+    p.add_argument("--max-error", "--error-budget", dest="error_budget", default=None,
+                   help="per-layer mean attention-output rel. error bound (> 0); without --min-agreement "
+                        "'default' (also the default when absent): the global default's own per-layer error")
+    p.add_argument("--min-agreement", type=float, default=None,
+                   help="quality first: the most KV skip whose greedy agreement with full attention is at least "
+                        "this (in (0, 1]) on calibration and held-out prompts")
+    p.add_argument("--thresholds", choices=THRESHOLD_MODES, default="paper",
+                   help="threshold rules tried: the paper's sqrt(2d)(1-tau), the calibrated one (per-head query "
+                        "scale from the calibration prompts) or both")
+    p.add_argument("--levels", type=int, default=8, help="per-layer error levels explored (--min-agreement)")
+    p.add_argument("--verify", type=int, default=3, help="feasible configs checked on held-out prompts at most")
+    p.add_argument("--plot", default=None, help="frontier PNG (default: OUT_frontier.png next to --out)")
+    p.add_argument("--device", default="cpu", help="torch device of the model (e.g. cuda)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--lengths", default="4096", help="calibration prompt lengths")
     p.add_argument("--n", type=int, default=2, help="calibration (and held-out) prompts per length")
     p.add_argument("--gen", type=int, default=32, help="teacher-forced decode steps per prompt")

@@ -40,7 +40,7 @@ from macattn.models.generation import greedy_decode
 from macattn.methods.mac.completion_on_miss import MissCompletionConfig
 from macattn.evaluation import tasks as T
 from macattn.methods.a3.config import A3Config
-from macattn.evaluation.methods import A3Fusion, EvalMethod, Mac, RetrievalCompletion
+from macattn.evaluation.methods import A3Fusion, EvalMethod, Mac, Prefill, RetrievalCompletion
 
 __all__ = ["EvalSettings", "PRESETS", "make_samples", "run_eval", "band_sweep", "plot", "load_eval_model",
            "register", "byte_encoder"]
@@ -170,8 +170,9 @@ def run_eval(model, methods: Sequence[EvalMethod], settings: EvalSettings, *, en
         acc["full"].setdefault(key, []).append(ref[:len(s.answer)] == s.answer)
         bar.update()
         tokens = {}
+        pre = Prefill.of(model, prompt)    # one prefill per sample, replayed into every method
         for m in methods:
-            own = tokens[m.name] = m.run(model, prompt, len(ref), forced)
+            own = tokens[m.name] = m.run(model, prompt, len(ref), forced, prefilled=pre)
             acc[m.name].setdefault(key, []).append(own[:len(s.answer)] == s.answer)
             st = stats[m.name]
             st["agree"] += sum(a == b for a, b in zip(own, ref))
@@ -315,28 +316,46 @@ def _read_haystack(path: Path, encode: Callable) -> list:
     return list(encode(path.read_text()))
 
 
-def load_eval_model(which: str, *, seed: int = 0, haystack: str | None = None):
+def load_eval_model(which: str, *, seed: int = 0, haystack: str | None = None, device: str = "cpu"):
     """``(model, encode, haystack_ids, bos, description)`` for ``which`` = ``"trained"`` (the packaged
-    checkpoint), ``"random"`` (the random built-in LLaMA, byte-level "tokenizer") or a checkpoint dir.
+    checkpoint), ``"random"`` (the random built-in LLaMA, byte-level "tokenizer") or a checkpoint dir: one
+    of the built-in checkpoint's format (``tokenizer.json`` + ``heldout.txt``) or any transformers
+    ``*ForCausalLM`` directory of a supported family (its ``AutoTokenizer``; without one, UTF-8 bytes mod
+    the vocabulary). The model is put on ``device`` in eval mode.
 
     Haystack: ``haystack`` (.npy of token ids or a text file), else the checkpoint's held-out
     text (``heldout.txt``, documents it was not trained on), else KJV-word pseudo-sentences
     (recorded in the description).
     """
+    ckpt = None
     if which == "random":
         from macattn.models.builtin import build_builtin_model
 
         model = build_builtin_model("llama", seed=seed)
         encode = byte_encoder(model.config.vocab_size)
         bos = []
-        ckpt = None
-    else:
+    elif which == "trained" or ((Path(which) / "tokenizer.json").is_file() and (Path(which) / "heldout.txt").is_file()):
         from macattn.models.checkpoint import BUILTIN_CHECKPOINT_DIR, load_builtin_checkpoint
 
         ckpt = BUILTIN_CHECKPOINT_DIR if which == "trained" else Path(which)
         model, tok = load_builtin_checkpoint(ckpt)
         encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
         bos = [tok.bos_token_id]
+    else:
+        if not (Path(which) / "config.json").is_file():
+            raise FileNotFoundError(f"--model must be 'trained', 'random' or a transformers checkpoint directory "
+                                    f"(with config.json), got {which!r}")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(which, attn_implementation="sdpa").eval()
+        try:
+            tok = AutoTokenizer.from_pretrained(which)
+            encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+            bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+        except (OSError, ValueError, TypeError):
+            encode, bos = byte_encoder(model.config.vocab_size), []
+        ckpt = Path(which)
+    model = model.to(device)
     candidates = [Path(haystack)] if haystack else []
     if ckpt is not None:
         candidates.append(Path(ckpt) / "heldout.txt")
@@ -345,9 +364,11 @@ def load_eval_model(which: str, *, seed: int = 0, haystack: str | None = None):
             return model, encode, _read_haystack(c, encode), bos, f"haystack: {c}"
     if haystack:
         raise FileNotFoundError(f"--haystack {haystack} does not exist")
-    if which == "random":
+    if which == "random" or (ckpt is not None and not (ckpt / "tokenizer.json").is_file()
+                             and not (ckpt / "tokenizer_config.json").is_file()):
         g = torch.Generator().manual_seed(seed)
-        hay = torch.randint(300, model.config.vocab_size, (1 << 16,), generator=g).tolist()
+        hay = torch.randint(min(300, model.config.vocab_size // 2), model.config.vocab_size, (1 << 16,),
+                            generator=g).tolist()
         return model, encode, hay, bos, "haystack: uniform random token ids"
     return model, encode, _pseudo_text(encode, seed=seed), bos, "haystack: KJV-word pseudo-sentences (fallback)"
 
@@ -356,7 +377,49 @@ def _csv(s: str, typ):
     return tuple(typ(x) for x in s.split(",") if x.strip())
 
 
+def _cmd_long_gen(args) -> int:
+    """``macattn eval --long-gen``: ``long_gen.run_long_gen`` of MAC at each ``--taus`` (default 0.45), the
+    ``--per-layer`` config and, with ``--two-stage``, the two-stage match at the first tau."""
+    from macattn.evaluation.long_gen import LongGenSettings, plot_long_gen, run_long_gen
+
+    settings = LongGenSettings(lengths=_csv(args.lengths, int) if args.lengths else (4096,),
+                               tasks=_csv(args.tasks, str) if args.tasks else LongGenSettings.tasks,
+                               n=args.n or 1, tokens=args.long_gen_tokens, bins=args.bins, seed=args.seed)
+    model, encode, hay, bos, hay_desc = load_eval_model(args.model, seed=args.seed, haystack=args.haystack,
+                                                        device=args.device)
+    taus = _csv(args.taus, float) if args.taus else (0.45,)
+    base = MacConfig(window=args.window, band=args.band)
+    methods: list[EvalMethod] = [Mac(replace(base, tau=t), gen_len=settings.tokens) for t in taus]
+    if args.two_stage:
+        methods.append(Mac(replace(base, tau=taus[0], match="two_stage"), gen_len=settings.tokens))
+    if args.per_layer:
+        methods.append(Mac(MacConfig.load(args.per_layer), gen_len=settings.tokens,
+                           name=f"mac(per-layer {Path(args.per_layer).name})"))
+    result = run_long_gen(model, methods, settings, encode=encode, haystack_ids=hay, bos=bos)
+    result.update(source=args.model, haystack=hay_desc, machine=f"{platform.machine()}, {args.device}, "
+                                                                   f"{torch.get_num_threads()} CPU threads")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{'method':<46}{'acc@end':>8}{'diverges at (per sample)':>28}{'hit':>7}{'skip':>7}")
+    for name, e in result["summary"].items():
+        div = ",".join("-" if d is None else str(d) for d in e.get("first_divergence", [])) or "-"
+        hit = f"{e['hit_rate']:.3f}" if "hit_rate" in e else "-"
+        skip = f"{e['kv_skip']:.3f}" if "kv_skip" in e else "-"
+        print(f"{name:<46}{e['accuracy']:>8.3f}{div:>28}{hit:>7}{skip:>7}")
+    try:
+        png = plot_long_gen(result, out.with_suffix(".png"))
+        print(f"wrote {out}, {png}")
+    except ImportError:
+        print(f"wrote {out} (matplotlib is not installed: no PNG)")
+    return 0
+
+
 def _cmd_eval(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.long_gen:
+        return _cmd_long_gen(args)
     preset = PRESETS[args.preset]
     st = preset["settings"]
     settings = EvalSettings(lengths=_csv(args.lengths, int) if args.lengths else st.lengths,
@@ -364,7 +427,8 @@ def _cmd_eval(args) -> int:
                             n=args.n or st.n, gen=args.gen or st.gen, seed=args.seed)
     taus = _csv(args.taus, float) if args.taus else preset["taus"]
     bands = _csv(args.bands, int) if args.bands is not None else preset["bands"]
-    model, encode, hay, bos, hay_desc = load_eval_model(args.model, seed=args.seed, haystack=args.haystack)
+    model, encode, hay, bos, hay_desc = load_eval_model(args.model, seed=args.seed, haystack=args.haystack,
+                                                        device=args.device)
     comp = MissCompletionConfig(n_sink=args.n_sink, n_tail=args.n_tail, top_k=args.top_k,
                                 feature_dim=args.feature_dim)
     maps = None
@@ -451,4 +515,13 @@ def register(sub) -> None:
     p.add_argument("--haystack", default=None, help=".npy of token ids or a text file for the haystack")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="eval.json", help="JSON to write; PNGs go next to it")
+    p.add_argument("--device", default="cpu", help="torch device of the model and the reference MAC (e.g. cuda)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--long-gen", action="store_true",
+                   help="long continuous generation instead: each method generates --long-gen-tokens tokens "
+                        "free-running from the sample's document, then answers its question (first divergence "
+                        "from full attention, accuracy at the end, per-layer hit / skip over time)")
+    p.add_argument("--long-gen-tokens", type=int, default=4096, help="free-running tokens before the question")
+    p.add_argument("--bins", type=int, default=32, help="--long-gen: time bins of the hit / skip summary")
+    p.add_argument("--two-stage", action="store_true", help="--long-gen: also MAC's two-stage match (fp8, c=4)")
     p.set_defaults(func=_cmd_eval)

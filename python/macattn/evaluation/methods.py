@@ -19,6 +19,7 @@ prefix, and the KV read in token-equivalents. Adding a method is a subclass with
 """
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -28,14 +29,14 @@ from macattn.methods.a3.config import A3Config, FusionMethod
 from macattn.methods.completion.reference import build_completion_cache_batched, hybrid_decode_step, partition, token_equivalents
 from macattn.methods.mac.config import MacConfig
 from macattn.core.attention import check_no_padding, full_attention_reference
-from macattn.methods.base import AttentionMethod, Capabilities, ModelDims
+from macattn.methods.base import AttentionMethod, Capabilities, ModelDims, StepContext
 from macattn.methods.mac.backend import MacAttention
 from macattn.methods.mac.reference import mac_decode_step_reference
-from macattn.models.attention import bind, unbind
+from macattn.models.attention import bind, binding_of, unbind
 from macattn.methods.completion.feature_maps import CompletionFeatureMaps
 from macattn.methods.mac.completion_on_miss import CompletionOnMiss, MissCompletionConfig, random_feature_maps
 
-__all__ = ["Recorder", "EvalMethod", "FullAttention", "Mac", "RetrievalCompletion", "A3Fusion"]
+__all__ = ["Recorder", "Prefill", "EvalMethod", "FullAttention", "Mac", "RetrievalCompletion", "A3Fusion"]
 
 @dataclass
 class Recorder:
@@ -44,7 +45,9 @@ class Recorder:
     steps: decode (step, head) pairs; hits / skipped: MAC hits and Σ (p - r)_+ / m over them;
     read / context: Σ KV tokens read (token-equivalents) and Σ (m + 1) over (step, head);
     errors: per-step ``||o - o_full|| / ||o_full||`` of the layer (all heads);
-    hit_gap_error: ``(layer, m - p, per-head relative error)`` of every hit.
+    hit_gap_error: ``(layer, m - p, per-head relative error)`` of every hit;
+    timeline: with ``keep_timeline``, per layer one ``(hit fraction, skip fraction)`` of its heads per
+    decode step, in step order (``macattn eval --long-gen``'s hit / skip over time).
     """
 
     num_layers: int
@@ -56,6 +59,8 @@ class Recorder:
     errors: list = field(default_factory=list)
     hit_gap_error: list = field(default_factory=list)
     enabled: bool = True
+    keep_timeline: bool = False
+    timeline: list = field(default_factory=list)
 
     def __post_init__(self):
         self.reset()
@@ -66,6 +71,7 @@ class Recorder:
         self.read, self.context = [0.0] * L, [0.0] * L
         self.errors = [[] for _ in range(L)]
         self.hit_gap_error = []
+        self.timeline = [[] for _ in range(L)]
 
     def record(self, layer: int, out: torch.Tensor, full: torch.Tensor, positions: torch.Tensor,
                read: torch.Tensor, match_pos: torch.Tensor | None = None, band: int = 0) -> None:
@@ -85,6 +91,60 @@ class Recorder:
             head_err = diff.norm(dim=-1) / full.double().norm(dim=-1).clamp(min=1e-30)
             for g, e in zip((m - match_pos)[hit].tolist(), head_err[hit].tolist()):
                 self.hit_gap_error.append((layer, int(g), e))
+            if self.keep_timeline:
+                sk = torch.where(hit, (match_pos - band).clamp(min=0) / m.clamp(min=1), 0.0)
+                self.timeline[layer].append((float(hit.double().mean()), float(sk.mean())))
+
+
+class _PrefillCapture(AttentionMethod):
+    """Full attention that keeps each layer's prefill inputs (``Prefill.of``)."""
+
+    name = "prefill_capture"
+    config_type = MacConfig
+    capabilities = Capabilities(needs_pre_rope_query=True)
+
+    def __init__(self, dims: ModelDims) -> None:
+        super().__init__(MacConfig(enabled=False), dims, num_slots=1)
+        self.layers: list = [None] * dims.num_layers
+
+    def prefill(self, module, layer, query, key, value, q_pre, attention_mask, scale, step, fallback, **kwargs):
+        self.layers[layer] = (query, key, value, q_pre, scale)
+        out, _ = fallback(module, query, key, value, attention_mask, scaling=scale, **kwargs)
+        return out
+
+
+@dataclass
+class Prefill:
+    """One full-attention prefill of ``prompt [1, L]``, replayed into any number of methods
+    (``EvalMethod.run(prefilled=...)``: the tuner runs many configs per prompt and pays one prefill).
+
+    logits: ``[V]`` of the prompt's last position; cache: the model's KV cache after the prompt (each
+    run extends a deep copy); layers: per layer ``(query [1, Hq, L, d] post-RoPE, key / value
+    [1, Hkv, L, d], q_pre [1, Hq, L, d], scale)``, what each method's prefill (ring seeding) reads.
+    """
+
+    prompt: torch.Tensor
+    logits: torch.Tensor
+    cache: object
+    layers: list
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, model, prompt: torch.Tensor) -> "Prefill":
+        cap = _PrefillCapture(ModelDims.of(model))
+        bind(model, cap)
+        try:
+            out = model(input_ids=prompt.to(cap.dims.device), use_cache=True)
+        finally:
+            unbind(model)
+        return cls(prompt, out.logits[0, -1], out.past_key_values, cap.layers)
+
+    def replay(self, method: AttentionMethod) -> None:
+        """Run ``method``'s prefill on every layer's captured inputs (its output is not needed: the
+        cache already holds the prompt's K/V)."""
+        skip = lambda *a, **k: (None, None)  # noqa: E731
+        for layer, (query, key, value, q_pre, scale) in enumerate(self.layers):
+            method.prefill(None, layer, query, key, value, q_pre, None, scale, StepContext(), skip)
 
 
 class _EvalAttention(AttentionMethod):
@@ -112,7 +172,8 @@ class _EvalAttention(AttentionMethod):
         B, Hq, _, d = query.shape
         positions = torch.full((B,), key.shape[2] - 1, dtype=torch.int64, device=query.device)
         q = query[:, :, 0]
-        out, read, match_pos, band = self.method.decode(self.mac, layer, q, q_pre[:, :, 0], key, value, positions,
+        q_match = self.mac.match_query(layer, q_pre[:, :, 0])     # q~ / s under a calibrated threshold
+        out, read, match_pos, band = self.method.decode(self.mac, layer, q, q_match, key, value, positions,
                                                         scale)
         rec = self.method.recorder
         if rec is not None and rec.enabled:
@@ -141,12 +202,21 @@ class EvalMethod:
     def decode(self, mac, layer, q, q_pre, key, value, positions, scale):
         raise NotImplementedError
 
-    def run(self, model, prompt: torch.Tensor, steps: int, forced: list | None = None) -> list:
-        """Greedy tokens (``steps`` of them) after ``prompt [1, L]``, teacher-forced on ``forced``."""
+    def run(self, model, prompt: torch.Tensor, steps: int, forced: list | None = None, *,
+            prefilled: Prefill | None = None, on_step=None) -> list:
+        """Greedy tokens (``steps`` of them) after ``prompt [1, L]``, teacher-forced on ``forced``;
+        ``prefilled``: the prompt's ``Prefill`` instead of a fresh prefill (same tokens); ``on_step``:
+        ``greedy_decode``'s per-token callback."""
         from macattn.models.generation import greedy_decode
 
-        with self.attach(model):
-            return greedy_decode(model, prompt, steps, forced=forced, desc=self.name)[0]
+        with self.attach(model) as rec:
+            pre = None
+            if prefilled is not None:
+                if rec is not None:
+                    prefilled.replay(binding_of(model).method)
+                pre = (prefilled.logits, copy.deepcopy(prefilled.cache))
+            return greedy_decode(model, prompt, steps, forced=forced, desc=self.name, prefilled=pre,
+                                 on_step=on_step)[0]
 
     @contextmanager
     def attach(self, model):
@@ -189,7 +259,11 @@ class Mac(EvalMethod):
             pol = "+completion" if config.miss_policy == "completion" else ""
             if config.match == "two_stage":
                 pol += f"+two_stage({config.match_sketch},c={config.match_candidates})"
-            name = (f"mac{pol}(tau={config.tau},K={config.window},r={config.band})" if not config.layer_overrides
+            over = [dict(f) for _, f in config.layer_overrides]
+            if config.match_scale or any("match_scale" in f for f in over):
+                pol += "+calibrated"
+            only_scales = all(set(f) <= {"match_scale"} for f in over)
+            name = (f"mac{pol}(tau={config.tau},K={config.window},r={config.band})" if only_scales
                     else f"mac{pol}(per-layer)")
         self.name = name
 
@@ -293,7 +367,8 @@ class A3Fusion(EvalMethod):
         docs = ids[1:ids.numel() - self.question_tokens]
         return RagPrompt(ids[:1], list(docs.split(self.chunk_tokens)), ids[ids.numel() - self.question_tokens:])
 
-    def run(self, model, prompt, steps, forced=None):
+    def run(self, model, prompt, steps, forced=None, *, prefilled=None, on_step=None):
+        """As ``EvalMethod.run``; ``prefilled`` is ignored (A3 builds the prompt's K/V its own way)."""
         from macattn.runtime.a3_assembly import fused_generate
 
         tokens, _ = fused_generate(model, self.rag_prompt(prompt), self.config, max_new_tokens=steps, forced=forced)

@@ -77,12 +77,15 @@ class Sample:
     """One task instance.
 
     ids: prompt token ids (length == requested ``length`` minus the answer), ending just before
-    the answer; answer: the expected continuation ids; task: the task name.
+    the answer; answer: the expected continuation ids; task: the task name; question: the ids the
+    prompt ends with that ask for the answer (``ids[-len(question):]``; what ``macattn eval --long-gen``
+    asks again after a long generation).
     """
 
     task: str
     ids: list
     answer: list
+    question: list = ()
 
 
 def all_fragments() -> list[str]:
@@ -170,7 +173,7 @@ def make_sample(task: str, length: int, rng: random.Random, encode: Callable[[st
         ids += hay[prev:cut] + n_ids[j]
         prev = cut
     ids += hay[prev:] + q_ids
-    return Sample(task, ids, a_ids)
+    return Sample(task, ids, a_ids, q_ids)
 
 
 def _cwe(length, rng, enc, bos) -> Sample:
@@ -200,4 +203,4 @@ def _cwe(length, rng, enc, bos) -> Sample:
     while len(ids) + len(query) + len(answer) < length:
         ids += filler
     ids = ids[: length - len(query) - len(answer)] + query
-    return Sample("cwe", ids, answer)
+    return Sample("cwe", ids, answer, query)

@@ -28,20 +28,30 @@ def repetitive_prompt(length: int, vocab_size: int, *, period: int = 512, mutati
 
 @torch.no_grad()
 def greedy_decode(model, prompt: torch.Tensor, steps: int, *, forced: list[int] | None = None,
-                  desc: str = "decode") -> tuple[list[int], float]:
-    """Prefill ``prompt [1, L]`` then decode ``steps`` tokens greedily.
+                  desc: str = "decode", prefilled: tuple | None = None, on_step=None) -> tuple[list[int], float]:
+    """Prefill ``prompt [1, L]`` (int64, on the model's device or the CPU) then decode ``steps`` tokens greedily.
 
     With ``forced``, token ``i`` fed to step ``i+1`` is ``forced[i]`` (teacher forcing),
-    while the returned list is still the model's own argmax per step. Returns the tokens
-    and decode seconds (prefill excluded).
+    while the returned list is still the model's own argmax per step. ``prefilled``: ``(logits [V] of
+    the prompt's last position, the model's KV cache after the prompt)`` replaces the prefill (the cache is
+    extended in place). ``on_step(i, token)``: called after each token ``i`` (0 = the prefill's). Returns the
+    tokens and decode seconds (prefill excluded).
     """
-    out = model(input_ids=prompt, use_cache=True)
-    cache = out.past_key_values
-    tokens = [int(out.logits[0, -1].argmax())]
+    device = next(model.parameters()).device
+    if prefilled is None:
+        out = model(input_ids=prompt.to(device), use_cache=True)
+        cache, last = out.past_key_values, out.logits[0, -1]
+    else:
+        last, cache = prefilled
+    tokens = [int(last.argmax())]
+    if on_step is not None:
+        on_step(0, tokens[0])
     t0 = time.perf_counter()
     for i in tqdm(range(steps - 1), desc=desc, leave=False):
         nxt = forced[i] if forced is not None else tokens[-1]
-        out = model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
+        out = model(input_ids=torch.tensor([[nxt]], device=device), past_key_values=cache, use_cache=True)
         cache = out.past_key_values
         tokens.append(int(out.logits[0, -1].argmax()))
+        if on_step is not None:
+            on_step(i + 1, tokens[-1])
     return tokens, time.perf_counter() - t0

@@ -202,3 +202,35 @@ def test_completion_miss_policy_is_rejected_where_not_implemented():
     MacConfig().require_engine_support("x")
     with pytest.raises(ValueError, match=r"miss_policy='completion'.*ModelRunner.*\[1\]"):
         ModelRunner.from_hf(build_builtin_model("llama"), cfg)
+
+
+@pytest.mark.parametrize("value,exc,pattern", [
+    ("1.0", TypeError, r"^match_scale must be a float > 0 or a list"),
+    ([1.0, 0.0], ValueError, r"^match_scale\[1\] must be a float > 0, got 0.0"),
+    ([1.0, float("nan")], ValueError, r"^match_scale\[1\] must be a float > 0"),
+    ([True], TypeError, r"^match_scale\[0\] must be a float > 0"),
+])
+def test_match_scale_rejects_bad_values(value, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        MacConfig(match_scale=value)
+    with pytest.raises(exc, match=r"^layer_overrides\[2\]: " + pattern[1:]):
+        MacConfig(layer_overrides={2: {"match_scale": value}})
+
+
+def test_match_scale_defaults_to_the_paper_rule_and_round_trips(tmp_path):
+    import random
+
+    rng = random.Random(11)
+    assert MacConfig().match_scale == () and "match_scale" not in MacConfig().to_dict()
+    assert MacConfig().match_scales(4) is None and MacConfig(tau=0.3).threshold(64) == math.sqrt(128) * 0.7
+    scales = [[rng.uniform(0.2, 3.0) for _ in range(4)], [rng.uniform(0.2, 3.0)]]
+    cfg = MacConfig(tau=0.3).with_match_scales(scales)
+    assert cfg.for_layer(0).match_scales(4) == tuple(scales[0])
+    assert cfg.for_layer(1).match_scales(4) == (scales[1][0],) * 4 and cfg.for_layer(2).match_scales(4) is None
+    assert cfg.for_layer(0).threshold(64, head=2) == pytest.approx(scales[0][2] * math.sqrt(128) * 0.7)
+    hash(cfg)
+    cfg.save(tmp_path / "c.json")
+    assert MacConfig.load(tmp_path / "c.json") == cfg
+    assert json.loads((tmp_path / "c.json").read_text())["layer_overrides"]["0"]["match_scale"] == scales[0]
+    with pytest.raises(ValueError, match="match_scale must hold 1 or num_q_heads=3 values, got 4"):
+        cfg.for_layer(0).match_scales(3)

@@ -5,6 +5,8 @@ Triton kernels on CUDA once ``macattn.methods.kernels.register_kernels()`` ran, 
 elsewhere), or — under the runtime on CUDA — the bucket's ``MacDecodePlan`` over the paged pool.
 ``MacConfig(match="two_stage")``: the two-stage match (the reference function off the runtime's GPU
 path, the plan's Triton kernels on it) over the state's sketch ring, which every append keeps.
+A layer with a calibrated threshold (``match_scale``) matches and stores ``q~ / s`` (``match_query``):
+every path below (seeding, reference, GPU plan, ONNX graph) then runs the paper's unit radius.
 """
 from __future__ import annotations
 
@@ -56,6 +58,23 @@ class MacAttention(AttentionMethod):
         self.layer_errors: dict[int, list[float]] = {}
         self.last_match_pos: Mapping[int, torch.Tensor] = {}
         self.slots: torch.Tensor | None = None      # plain-transformers rows (no runtime)
+        # 1 / s_h per calibrated layer ([Hq] fp64 on the model's device, made here: never inside a captured step)
+        self.inv_match_scale: dict[int, torch.Tensor] = {}
+        for layer in range(dims.num_layers):
+            s = config.for_layer(layer).match_scales(dims.num_q_heads)
+            if s is not None:
+                self.inv_match_scale[layer] = 1.0 / torch.tensor(s, dtype=torch.float64, device=dims.device)
+
+    def match_query(self, layer: int, q_pre: torch.Tensor) -> torch.Tensor:
+        """The query MAC matches and stores for ``layer``: ``q_pre`` ``[B, Hq, T, d]`` (or ``[B, Hq, d]``)
+        divided per head by the layer's ``match_scale`` (the calibrated threshold), in ``q_pre``'s dtype;
+        ``q_pre`` itself under the paper's rule."""
+        inv = self.inv_match_scale.get(layer)
+        if inv is None:
+            return q_pre
+        inv = inv.view(-1, *([1] * (q_pre.dim() - 2)))     # [Hq, 1] or [Hq, 1, 1]
+        acc = torch.promote_types(q_pre.dtype, torch.float32)
+        return (q_pre.to(acc) * inv.to(q_pre.device, acc)).to(q_pre.dtype)
 
     def slot_states(self):
         return {"mac": self.state}
@@ -88,6 +107,7 @@ class MacAttention(AttentionMethod):
         B, Hq, T, d = query.shape
         S = key.shape[2]
         params = self.config.for_layer(layer)
+        q_pre = self.match_query(layer, q_pre)
         out, _ = fallback(module, query, key, value, attention_mask, scaling=scale, **kwargs)
         if S == T and layer == 0 and step.slots is None:
             self.start_batch(B)
@@ -125,7 +145,7 @@ class MacAttention(AttentionMethod):
                 raise ValueError(f"StepContext.positions must be [B]={B}, got {tuple(positions.shape)}")
         slots = slots.to(query.device)
         params = self.config.for_layer(layer)
-        q, qp = query[:, :, 0], q_pre[:, :, 0]
+        q, qp = query[:, :, 0], self.match_query(layer, q_pre[:, :, 0])
         rings = self._rings(step, layer)
         sring = self.state.sring[layer] if step.rings is None else None
         if step.paged is not None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from macattn.core.threshold import match_threshold
-from macattn.core.validation import check_bool, check_choice, check_int, check_tau
+from macattn.core.validation import check_bool, check_choice, check_float, check_int, check_tau
 
 __all__ = ["LayerMacParams", "MacConfig", "CONTEXT_HEAVY_TAU", "GENERATION_HEAVY_TAU", "MISS_POLICIES",
            "ENGINE_MISS_POLICIES", "MATCH_MODES", "ENGINE_MATCH_MODES", "EXPORT_MATCH_MODES", "MATCH_SKETCHES",
@@ -48,6 +48,11 @@ class LayerMacParams:
     the exact distance of those candidates and the exact threshold — an accepted match always passes
     the exact test. The runtime (the Triton kernels over a sketch ring kept by the append), the CPU
     reference and ``macattn eval`` honour it; the ONNX decode graph (``macattn build``) runs ``"exact"``.
+    match_scale: the calibrated threshold (``macattn.core.threshold``): ``()`` (the default) is the paper's
+    rule, radius ``sqrt(2 d) (1 - tau)``; otherwise the layer's pre-RoPE query scale ``s`` (> 0), one value
+    for the layer or one per query head, and head ``h`` hits iff ``||q~_m - q~_p|| < s_h sqrt(2 d) (1 - tau)``,
+    so ``tau`` is the same null false-positive rate in every layer (``macattn.evaluation.calibration``
+    estimates it). Every surface honours it (MAC matches ``q~ / s``); the TensorRT-LLM attention swap refuses it.
     """
 
     window: int = 1024
@@ -58,6 +63,7 @@ class LayerMacParams:
     match: str = "exact"
     match_sketch: str = "fp8"
     match_candidates: int = 4
+    match_scale: tuple = ()
 
     def __post_init__(self) -> None:
         check_int("window", self.window, 1)
@@ -69,25 +75,49 @@ class LayerMacParams:
         check_choice("match_sketch", self.match_sketch, MATCH_SKETCHES)
         check_choice("match_candidates", self.match_candidates, MATCH_CANDIDATES)
         object.__setattr__(self, "tau", float(self.tau))
+        object.__setattr__(self, "match_scale", check_match_scale("match_scale", self.match_scale))
 
-    def threshold(self, head_dim: int) -> float:
-        """The L2 acceptance radius ``sqrt(2 d) (1 - tau)`` for head dimension ``d``."""
-        return match_threshold(head_dim, self.tau)
+    def threshold(self, head_dim: int, head: int = 0) -> float:
+        """The L2 acceptance radius ``s_h sqrt(2 d) (1 - tau)`` of query head ``head`` for head dimension ``d``."""
+        s = self.match_scale
+        return match_threshold(head_dim, self.tau, s[head if len(s) > 1 else 0] if s else 1.0)
+
+    def match_scales(self, num_heads: int) -> tuple[float, ...] | None:
+        """``s_h`` of each of ``num_heads`` query heads, or None for the paper's rule (every ``s_h = 1``).
+        Raises ValueError if ``match_scale`` holds neither 1 nor ``num_heads`` values."""
+        s = self.match_scale
+        if not s:
+            return None
+        if len(s) not in (1, num_heads):
+            raise ValueError(f"match_scale must hold 1 or num_q_heads={num_heads} values, got {len(s)}")
+        return s * num_heads if len(s) == 1 else s
 
 
-_LAYER_FIELDS = ("window", "band", "tau", "enabled", "miss_policy", "match", "match_sketch", "match_candidates")
+def check_match_scale(name: str, value: Any) -> tuple:
+    """``value`` as a tuple of floats > 0 (a list, tuple or a single number; ``()`` / None = the paper's rule)."""
+    if value is None:
+        return ()
+    items = (value,) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    if not isinstance(items, (tuple, list)):
+        raise TypeError(f"{name} must be a float > 0 or a list of them (one per layer or per query head), "
+                        f"got {type(value).__name__} {value!r}")
+    return tuple(check_float(f"{name}[{i}]", x, 0, lo_open=True) for i, x in enumerate(items))
+
+
+_LAYER_FIELDS = ("window", "band", "tau", "enabled", "miss_policy", "match", "match_sketch", "match_candidates",
+                 "match_scale")
 # fields a saved file leaves out at their defaults: files and engine manifests keep their old form
 _DEFAULTS_LEFT_OUT = {f.name: f.default for f in fields(LayerMacParams)
-                      if f.name in ("miss_policy", "match", "match_sketch", "match_candidates")}
+                      if f.name in ("miss_policy", "match", "match_sketch", "match_candidates", "match_scale")}
 
 
 @dataclass(frozen=True)
 class MacConfig(LayerMacParams):
     """Global MAC parameters plus per-layer overrides.
 
-    layer_overrides: mapping ``layer index -> {field: value}`` for any of
-    ``window``, ``band``, ``tau``, ``enabled``. Stored as a sorted tuple of
-    ``(layer, ((field, value), ...))`` so the config stays hashable.
+    layer_overrides: mapping ``layer index -> {field: value}`` for any field of ``LayerMacParams``
+    (``window``, ``band``, ``tau``, ``enabled``, ``match_scale``, ...). Stored as a sorted tuple of
+    ``(layer, ((field, value), ...))`` (values normalised, lists as tuples) so the config stays hashable.
     """
 
     layer_overrides: tuple = field(default=())
@@ -118,9 +148,10 @@ class MacConfig(LayerMacParams):
                                  f"accepted: {list(_LAYER_FIELDS)}")
             # Validate by constructing the resolved layer params (names the bad field).
             try:
-                LayerMacParams(**{**self._base_fields(), **fields})
+                resolved = LayerMacParams(**{**self._base_fields(), **fields})
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"layer_overrides[{layer}]: {exc}") from None
+            fields = {k: getattr(resolved, k) for k in fields}
             normalised.append((layer, tuple(sorted(fields.items()))))
         layers = [layer for layer, _ in normalised]
         if len(set(layers)) != len(layers):
@@ -158,6 +189,13 @@ class MacConfig(LayerMacParams):
             raise ValueError(f"{name}={value!r} is honoured by {honoured} only; {where} supports {name} in "
                              f"{allowed} (asking otherwise: {asking})")
 
+    def with_match_scales(self, scales) -> "MacConfig":
+        """This config with the calibrated threshold: ``scales[l]`` (one value, or one per query head) is layer
+        ``l``'s ``match_scale`` (``macattn.evaluation.calibration.calibrate_match_scales`` estimates them)."""
+        return self.with_overrides({i: {"match_scale": tuple(float(x) for x in (s if isinstance(s, (list, tuple))
+                                                                                  else (s,)))}
+                                    for i, s in enumerate(scales)})
+
     def with_overrides(self, overrides: Mapping[int, Mapping[str, Any]]) -> "MacConfig":
         merged = {idx: dict(f) for idx, f in self.layer_overrides}
         for idx, f in overrides.items():
@@ -170,7 +208,10 @@ class MacConfig(LayerMacParams):
         for name, default in _DEFAULTS_LEFT_OUT.items():
             if d[name] == default:
                 del d[name]
-        d["layer_overrides"] = {str(i): dict(f) for i, f in self.layer_overrides}
+        d["layer_overrides"] = {str(i): {k: list(v) if isinstance(v, tuple) else v for k, v in f}
+                                for i, f in self.layer_overrides}
+        if "match_scale" in d:
+            d["match_scale"] = list(d["match_scale"])
         return d
 
     @classmethod

@@ -1,0 +1,199 @@
+"""``macattn eval --long-gen``: long continuous generation (LongGenBench-like, the MAC paper's third benchmark).
+
+For every RULER-style sample (``tasks``) the document — the prompt without its closing question — is
+prefilled, then each method generates ``tokens`` tokens greedily and *free-running* (each token is the
+method's own previous argmax, never teacher-forced); then the sample's question is appended to the
+method's own text and the method answers greedily. Per method and sample:
+
+* ``first_divergence``: the index of the first generated token that differs from full attention's
+  (``None``: none in ``tokens``), and ``matching_prefix`` the same as a count;
+* task accuracy at the end: the answer after ``tokens`` generated tokens equals the expected one;
+* per layer, hit and skip over time: ``(hit fraction, skipped prefix)`` of the layer's heads at every
+  decode step (the recorder's timeline), summarised in ``bins`` equal bins of the generated steps,
+  plus the attention-output relative error against full attention on the same inputs.
+
+Full attention is the model's own; MAC runs ``macattn.methods.mac.reference`` on the model's device
+(``--device cuda`` on the H100). JSON + PNG (per-layer hit / skip over time, divergence marks).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from macattn.evaluation import tasks as T
+from macattn.evaluation.methods import EvalMethod, Recorder
+
+__all__ = ["LongGenSettings", "long_generate", "run_long_gen", "plot_long_gen"]
+
+
+@dataclass(frozen=True)
+class LongGenSettings:
+    """lengths: sample lengths in tokens (>= 64; the document is the prompt without its question);
+    tasks: subset of ``tasks.TASKS``; n: samples per task and length (>= 1); tokens: free-running tokens
+    generated before the question (>= 2); bins: time bins of the hit / skip summary (>= 1); seed: sample seed."""
+
+    lengths: tuple = (4096,)
+    tasks: tuple = ("niah_single", "niah_multikey", "vt")
+    n: int = 1
+    tokens: int = 4096
+    bins: int = 32
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.lengths or any(isinstance(x, bool) or not isinstance(x, int) or x < 64 for x in self.lengths):
+            raise ValueError(f"lengths must be ints >= 64, got {self.lengths}")
+        bad = [t for t in self.tasks if t not in T.TASKS]
+        if bad or not self.tasks:
+            raise ValueError(f"tasks must be a non-empty subset of {T.TASKS}, got {self.tasks}")
+        for name, lo in (("n", 1), ("tokens", 2), ("bins", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+
+
+@torch.no_grad()
+def long_generate(model, method: EvalMethod | None, document: torch.Tensor, tokens: int, question: Sequence[int],
+                  answer_len: int, *, desc: str = "long-gen") -> dict:
+    """Prefill ``document [1, L]`` (int64), generate ``tokens`` tokens free-running, feed ``question`` and
+    answer ``answer_len`` tokens greedily, all with ``method`` attached (None: the model's own attention).
+    Returns ``{"generated": [tokens], "answer": [answer_len], "seconds": decode time}``; the method's
+    recorder (if any) holds one entry per decode step: ``tokens - 1`` generation steps (each yields the
+    next token), one feeding the last generated token, ``len(question)`` question steps (the last yields
+    the first answer token), then ``answer_len - 1`` answer steps."""
+    if answer_len < 1 or not question:
+        raise ValueError(f"question must be non-empty and answer_len >= 1, got {len(question)} and {answer_len}")
+    device = next(model.parameters()).device
+    ctx = method.attach(model) if method is not None else nullcontext()
+    with ctx:
+        out = model(input_ids=document.to(device), use_cache=True)
+        cache = out.past_key_values
+        gen = [int(out.logits[0, -1].argmax())]
+        t0 = time.perf_counter()
+
+        def feed(tok: int) -> int:
+            nonlocal cache
+            o = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=cache, use_cache=True)
+            cache = o.past_key_values
+            return int(o.logits[0, -1].argmax())
+
+        for _ in tqdm(range(tokens - 1), desc=desc, leave=False):
+            gen.append(feed(gen[-1]))
+        pending = [gen[-1], *question]        # the last generated token, then the question
+        for tok in pending[:-1]:
+            feed(tok)
+        answer = [feed(pending[-1])]
+        while len(answer) < answer_len:
+            answer.append(feed(answer[-1]))
+    return dict(generated=gen, answer=answer, seconds=time.perf_counter() - t0)
+
+
+def _bins(series: list, start: int, stop: int, bins: int) -> list:
+    """Means of ``series[start:stop]`` in ``bins`` equal bins (fewer if there are fewer steps)."""
+    xs = series[start:stop]
+    if not xs:
+        return []
+    n = min(bins, len(xs))
+    edges = [round(i * len(xs) / n) for i in range(n + 1)]
+    return [sum(xs[a:b]) / (b - a) for a, b in zip(edges, edges[1:])]
+
+
+def run_long_gen(model, methods: Sequence[EvalMethod], settings: LongGenSettings, *, encode: Callable,
+                 haystack_ids: Sequence[int], bos: Sequence[int] = (), progress: bool = True) -> dict:
+    """Long continuous generation of full attention and each of ``methods`` (module doc); JSON-able dict."""
+    from macattn.evaluation.harness import EvalSettings, make_samples
+
+    names = [m.name for m in methods]
+    if len(set(names)) != len(names) or "full" in names:
+        raise ValueError(f"method names must be distinct and not 'full', got {names}")
+    ev = EvalSettings(lengths=settings.lengths, tasks=settings.tasks, n=settings.n, gen=2, seed=settings.seed)
+    samples = make_samples(ev, encode, haystack_ids, bos)
+    per_sample, agg = [], {name: dict(correct=0, divergence=[], timeline=None) for name in ["full", *names]}
+    L = model.config.num_hidden_layers
+    G = settings.tokens - 1          # generation decode steps per sample
+    for s in tqdm(samples, desc="long-gen samples", disable=not progress):
+        doc = torch.tensor([s.ids[:len(s.ids) - len(s.question)]])
+        entry = dict(task=s.task, document_tokens=int(doc.shape[1]), answer=list(s.answer), methods={})
+        full = long_generate(model, None, doc, settings.tokens, s.question, len(s.answer), desc="full")
+        entry["methods"]["full"] = dict(correct=full["answer"] == list(s.answer), answer=full["answer"],
+                                        seconds=full["seconds"])
+        agg["full"]["correct"] += int(full["answer"] == list(s.answer))
+        for m in methods:
+            m.recorder = Recorder(L, keep_timeline=True)
+            res = long_generate(model, m, doc, settings.tokens, s.question, len(s.answer), desc=m.name)
+            rec = m.recorder
+            div = next((i for i, (a, b) in enumerate(zip(res["generated"], full["generated"])) if a != b), None)
+            hit_t = [[h for h, _ in rec.timeline[i]] for i in range(L)]
+            skip_t = [[k for _, k in rec.timeline[i]] for i in range(L)]
+            err_t = [list(rec.errors[i]) for i in range(L)]
+            ok = res["answer"] == list(s.answer)
+            entry["methods"][m.name] = dict(
+                correct=ok, answer=res["answer"], first_divergence=div,
+                matching_prefix=settings.tokens if div is None else div, seconds=res["seconds"],
+                hit_over_time=[_bins(h, 0, G, settings.bins) for h in hit_t],
+                skip_over_time=[_bins(k, 0, G, settings.bins) for k in skip_t],
+                error_over_time=[_bins(e, 0, G, settings.bins) for e in err_t],
+                hit_rate_per_layer=[sum(h[:G]) / max(1, len(h[:G])) for h in hit_t],
+                skip_per_layer=[sum(k[:G]) / max(1, len(k[:G])) for k in skip_t],
+                hit_rate_answer_steps=[sum(h[G:]) / max(1, len(h[G:])) for h in hit_t])
+            a = agg[m.name]
+            a["correct"] += int(ok)
+            a["divergence"].append(settings.tokens if div is None else div)
+        per_sample.append(entry)
+    summary = {}
+    for name, a in agg.items():
+        row = dict(accuracy=a["correct"] / len(samples))
+        if name != "full":
+            ms = [e["methods"][name] for e in per_sample]
+            L_ = len(ms[0]["hit_rate_per_layer"])
+            row.update(first_divergence=[m["first_divergence"] for m in ms],
+                       mean_matching_prefix=sum(a["divergence"]) / len(a["divergence"]),
+                       hit_rate=sum(sum(m["hit_rate_per_layer"]) / L_ for m in ms) / len(ms),
+                       kv_skip=sum(sum(m["skip_per_layer"]) / L_ for m in ms) / len(ms),
+                       hit_rate_per_layer=[sum(m["hit_rate_per_layer"][i] for m in ms) / len(ms) for i in range(L_)],
+                       skip_per_layer=[sum(m["skip_per_layer"][i] for m in ms) / len(ms) for i in range(L_)])
+        summary[name] = row
+    cfg = model.config
+    return dict(settings=asdict(settings), device=str(next(model.parameters()).device),
+                model=dict(layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
+                           kv_heads=cfg.num_key_value_heads, params=sum(p.numel() for p in model.parameters())),
+                torch=torch.__version__, summary=summary, samples=per_sample)
+
+
+def plot_long_gen(result: dict, path):
+    """PNG: per method (rows), per-layer hit fraction and skipped prefix over the generated tokens (first
+    sample), with the first divergence from full attention marked."""
+    from pathlib import Path
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s0 = result["samples"][0]
+    names = [n for n in s0["methods"] if n != "full"]
+    tokens = result["settings"]["tokens"]
+    fig, axes = plt.subplots(len(names), 2, figsize=(12, 3.2 * len(names)), squeeze=False)
+    for r, name in enumerate(names):
+        m = s0["methods"][name]
+        for c, key in enumerate(("hit_over_time", "skip_over_time")):
+            ax = axes[r][c]
+            for layer, ys in enumerate(m[key]):
+                xs = [(i + 0.5) * tokens / len(ys) for i in range(len(ys))]
+                ax.plot(xs, ys, label=f"layer {layer}", lw=1.2)
+            if m["first_divergence"] is not None:
+                ax.axvline(m["first_divergence"], color="k", ls="--", lw=1, label="first divergence")
+            ax.set_ylim(-0.02, 1.02)
+            ax.set_xlabel("generated token")
+            ax.set_title(f"{name}: {'hit fraction' if c == 0 else 'skipped prefix'} ({s0['task']}, "
+                         f"answer {'right' if m['correct'] else 'wrong'})", fontsize=8)
+            ax.grid(alpha=0.3)
+        axes[r][1].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
