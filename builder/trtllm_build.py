@@ -23,7 +23,9 @@ Attention(...)``) and ``tensorrt_llm/models/qwen/model.py`` at
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from macattn.methods.mac.config import MacConfig
@@ -182,25 +184,21 @@ def install_patch(cfg: MacConfig, max_batch: int, first_layer: int = 0) -> list[
     return patched
 
 
-def _passthrough_workers(rest: Sequence[str]) -> int:
-    """The ``--workers`` value among the passthrough flags (last wins), 1 when absent."""
+def _passthrough(rest: Sequence[str], flag: str, kind=int):
+    """The value of ``flag`` among the passthrough flags (last wins), ``None`` when absent."""
     ours = argparse.ArgumentParser(add_help=False)
-    ours.add_argument("--workers", type=int, default=1)
-    return ours.parse_known_args(list(rest))[0].workers
-
-
-def _passthrough_max_batch(rest: Sequence[str]) -> int | None:
-    """The ``--max_batch_size`` value among the passthrough flags (last wins), ``None`` when absent."""
-    ours = argparse.ArgumentParser(add_help=False)
-    ours.add_argument("--max_batch_size", type=int, default=None)
-    return ours.parse_known_args(list(rest))[0].max_batch_size
-
-
-def _passthrough_int(rest: Sequence[str], flag: str) -> int | None:
-    """The int value of ``flag`` among the passthrough flags (last wins), ``None`` when absent."""
-    ours = argparse.ArgumentParser(add_help=False)
-    ours.add_argument(flag, type=int, default=None)
+    ours.add_argument(flag, type=kind, default=None)
     return getattr(ours.parse_known_args(list(rest))[0], flag.lstrip("-"))
+
+
+def checkpoint_pp_size(checkpoint_dir: str | None) -> int:
+    """``mapping.pp_size`` of a TensorRT-LLM checkpoint directory's ``config.json`` (1 when absent)."""
+    if checkpoint_dir is None:
+        return 1
+    path = Path(checkpoint_dir) / "config.json"
+    if not path.is_file():
+        return 1          # trtllm-build reports the missing checkpoint itself
+    return int(json.loads(path.read_text()).get("mapping", {}).get("pp_size", 1))
 
 
 def require_trtllm_engine_backend():
@@ -238,22 +236,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         build_parser().error(str(exc))
     args = build_parser().parse_args(ours)
     cfg = mac_config(args)
-    workers = _passthrough_workers(rest)
+    workers = _passthrough(rest, "--workers") or 1
     if workers > 1:
         # trtllm-build's parallel_build spawns fresh processes for --workers > 1; our patch lives
         # only in this process, so those engines would be built without MAC.
         print(f"error: --workers {workers} is not supported (the Attention patch does not reach spawned "
               "build processes); use --workers 1", file=sys.stderr)
         return 2
-    max_batch = _passthrough_max_batch(rest)
+    max_batch = _passthrough(rest, "--max_batch_size")
     if max_batch is None or max_batch < 1:
         # the MAC step inputs and rings are sized by it; trtllm-build's own default differs by release
         print("error: --plugin mac needs an explicit --max_batch_size N (N >= 1)", file=sys.stderr)
         return 2
-    beams = _passthrough_int(rest, "--max_beam_width")
+    beams = _passthrough(rest, "--max_beam_width")
     if beams is not None and beams > 1:
         print(f"error: --max_beam_width {beams} is not supported with --plugin mac (one ring row per request; "
               "beams would share it)", file=sys.stderr)
+        return 2
+    pp = checkpoint_pp_size(_passthrough(rest, "--checkpoint_dir", str))
+    if pp > 1:
+        # the patched Attention sees only its stage-local layer index, not the stage's first layer
+        print(f"error: pipeline parallelism (checkpoint mapping.pp_size = {pp}) is not supported with --plugin mac "
+              "(the per-layer MAC config and rings are indexed by global layer); accepted: pp_size 1",
+              file=sys.stderr)
         return 2
     try:
         trtllm_build = require_trtllm_engine_backend()

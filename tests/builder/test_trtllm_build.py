@@ -95,17 +95,31 @@ def test_missing_trtllm_exit_code():
 
 
 def test_passthrough_workers():
-    assert tb._passthrough_workers(["--checkpoint_dir", "c"]) == 1
-    assert tb._passthrough_workers(["--workers", "2", "--workers=3"]) == 3
+    assert tb._passthrough(["--checkpoint_dir", "c"], "--workers") is None
+    assert tb._passthrough(["--workers", "2", "--workers=3"], "--workers") == 3
     r = subprocess.run([*_cli(), "--plugin", "mac", "--workers", "4"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--workers" in r.stderr
 
 
 def test_passthrough_max_batch_required():
-    assert tb._passthrough_max_batch(["--checkpoint_dir", "c"]) is None
-    assert tb._passthrough_max_batch(["--max_batch_size", "8", "--max_batch_size=16"]) == 16
+    assert tb._passthrough(["--checkpoint_dir", "c"], "--max_batch_size") is None
+    assert tb._passthrough(["--max_batch_size", "8", "--max_batch_size=16"], "--max_batch_size") == 16
     r = subprocess.run([*_cli(), "--plugin", "mac", "--checkpoint_dir", "ck"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--max_batch_size" in r.stderr
+
+
+def test_t4_pipeline_parallel_checkpoint_is_refused(tmp_path, capsys):
+    """T4: the patched Attention sees a stage-local layer index; a pp_size > 1 checkpoint is refused by name."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text('{"mapping": {"world_size": 2, "tp_size": 1, "pp_size": 2}}')
+    assert tb.checkpoint_pp_size(str(ck)) == 2
+    assert tb.checkpoint_pp_size(None) == 1
+    assert tb.main(["--plugin", "mac", "--max_batch_size", "4", "--checkpoint_dir", str(ck)]) == 2
+    err = capsys.readouterr().err
+    assert "pp_size = 2" in err and "accepted: pp_size 1" in err
+    (ck / "config.json").write_text('{"mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1}}')
+    assert tb.checkpoint_pp_size(str(ck)) == 1
 
 
 def test_t10_trtllm_engine_backend_is_version_gated(monkeypatch, capsys):
