@@ -37,7 +37,7 @@ from ..triton_softmax import online_softmax_finish, online_softmax_update
 from .plan import NMAX_A, plan_step
 
 __all__ = ["AttendMeta", "attend_meta", "launch_plan", "launch_attend", "launch_merge", "NMAX_A", "attend_range",
-           "merge_head"]
+           "merge_head", "kv_strides"]
 
 _LOG2E = 1.4426950408889634
 
@@ -391,6 +391,16 @@ def launch_plan(meta: AttendMeta, *, positions, match_pos, grp_start, grp_lo, gr
     )
 
 
+def kv_strides(k, v, page_table, positions):
+    """The attention kernels' KV strides ``(skb, skh, skt, svb, svh, svt, sptb)`` (block / head / token;
+    paged NHD ``[P, ps, Hkv, d]`` or contiguous ``[B, Hkv, T, d]``) and the page-table pointer to pass
+    (``positions`` stands in, unused, for contiguous KV)."""
+    if page_table is not None:
+        return (k.stride(0), k.stride(2), k.stride(1), v.stride(0), v.stride(2), v.stride(1),
+                page_table.stride(0)), page_table
+    return (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), 0), positions
+
+
 def launch_attend(meta: AttendMeta, *, full: bool, q, k, v, page_table, page_size: int, positions, match_pos,
                   grp_start, grp_lo, grp_na, grp_chunk, part_o, part_lse, band: int, scale: float, num_kv_heads: int,
                   dot_f32: bool = False, pdl: bool = False, warmup: bool = False):
@@ -400,14 +410,7 @@ def launch_attend(meta: AttendMeta, *, full: bool, q, k, v, page_table, page_siz
     ``warmup``: compile only and return the compiled kernel (for its resource usage).
     """
     paged = page_table is not None
-    if paged:
-        skb, skt, skh = k.stride(0), k.stride(1), k.stride(2)
-        svb, svt, svh = v.stride(0), v.stride(1), v.stride(2)
-        sptb = page_table.stride(0)
-    else:
-        skb, skh, skt = k.stride(0), k.stride(1), k.stride(2)
-        svb, svh, svt = v.stride(0), v.stride(1), v.stride(2)
-        sptb, page_table = 0, positions          # unused pointer
+    (skb, skh, skt, svb, svh, svt, sptb), page_table = kv_strides(k, v, page_table, positions)
     if full:
         n_static, static_n, static_chunk = meta.NG * meta.full_n, meta.full_n, meta.full_chunk
         grid = (n_static,)

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ..mac_match.kernel import match_split
 from ..mac_match.reduce import reduce_match_partials
-from .kernel import attend_range, merge_head
+from .kernel import attend_range, kv_strides, merge_head
 from .plan import NMAX_A, chunk_for, size_items
 
 __all__ = ["launch_persistent_step", "PERSISTENT_PLAN_LIMIT"]
@@ -203,14 +203,7 @@ def launch_persistent_step(plan, q, q_pre, k, v, positions, slots, qring, oring,
     """
     mt, at = plan.match, plan.attend
     paged = page_table is not None
-    if paged:
-        skb, skt, skh = k.stride(0), k.stride(1), k.stride(2)
-        svb, svt, svh = v.stride(0), v.stride(1), v.stride(2)
-        sptb = page_table.stride(0)
-    else:
-        skb, skh, skt = k.stride(0), k.stride(1), k.stride(2)
-        svb, svh, svt = v.stride(0), v.stride(1), v.stride(2)
-        sptb, page_table = 0, positions          # unused pointer
+    (skb, skh, skt, svb, svh, svt, sptb), page_table = kv_strides(k, v, page_table, positions)
     B, Hq, d = q.shape
     args = (q, q_pre, k, v, page_table, positions, slots, qring, oring, ring_lse, ring_pos,
             plan.part_d2, plan.part_pos, plan.part_mlse, plan.match_pos, plan.dist, plan.part_o, plan.part_lse,

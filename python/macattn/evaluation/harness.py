@@ -59,11 +59,7 @@ class EvalSettings:
     seed: int = 0
 
     def __post_init__(self):
-        if not self.lengths or any(isinstance(x, bool) or not isinstance(x, int) or x < 64 for x in self.lengths):
-            raise ValueError(f"lengths must be ints >= 64, got {self.lengths}")
-        bad = [t for t in self.tasks if t not in T.TASKS]
-        if bad or not self.tasks:
-            raise ValueError(f"tasks must be a non-empty subset of {T.TASKS}, got {self.tasks}")
+        T.check_lengths_and_tasks(self.lengths, self.tasks)
         if self.n < 1 or self.gen < 2:
             raise ValueError(f"n must be >= 1 and gen >= 2, got n={self.n}, gen={self.gen}")
 

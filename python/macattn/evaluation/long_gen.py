@@ -45,11 +45,7 @@ class LongGenSettings:
     seed: int = 0
 
     def __post_init__(self):
-        if not self.lengths or any(isinstance(x, bool) or not isinstance(x, int) or x < 64 for x in self.lengths):
-            raise ValueError(f"lengths must be ints >= 64, got {self.lengths}")
-        bad = [t for t in self.tasks if t not in T.TASKS]
-        if bad or not self.tasks:
-            raise ValueError(f"tasks must be a non-empty subset of {T.TASKS}, got {self.tasks}")
+        T.check_lengths_and_tasks(self.lengths, self.tasks)
         for name, lo in (("n", 1), ("tokens", 2), ("bins", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:

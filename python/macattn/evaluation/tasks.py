@@ -20,7 +20,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-__all__ = ["TASKS", "KEY_WORDS", "VALUE_RANGE", "Sample", "all_fragments", "haystack_from", "make_sample"]
+__all__ = ["TASKS", "KEY_WORDS", "VALUE_RANGE", "Sample", "all_fragments", "haystack_from", "make_sample",
+           "check_lengths_and_tasks"]
 
 VALUE_RANGE = (1000, 9999)  # values are 4-digit numbers written as one fragment " 1234"
 TASKS = ("niah_single", "niah_multikey", "vt", "cwe")
@@ -204,3 +205,12 @@ def _cwe(length, rng, enc, bos) -> Sample:
         ids += filler
     ids = ids[: length - len(query) - len(answer)] + query
     return Sample("cwe", ids, answer, query)
+
+
+def check_lengths_and_tasks(lengths: tuple, tasks: tuple) -> None:
+    """An evaluation's sample plan: prompt lengths (ints >= 64) and a non-empty subset of ``TASKS``."""
+    if not lengths or any(isinstance(x, bool) or not isinstance(x, int) or x < 64 for x in lengths):
+        raise ValueError(f"lengths must be ints >= 64, got {lengths}")
+    bad = [t for t in tasks if t not in TASKS]
+    if bad or not tasks:
+        raise ValueError(f"tasks must be a non-empty subset of {TASKS}, got {tasks}")

@@ -24,7 +24,7 @@ import torch
 
 from macattn.methods.base import AttentionMethod, Capabilities, ModelDims
 from macattn.methods.completion import ops  # noqa: F401  (defines the torch ops)
-from macattn.methods.completion.feature_maps import CompletionFeatureMaps
+from macattn.methods.completion.feature_maps import CompletionFeatureMaps, fitted_maps
 from macattn.methods.completion.config import CompletionConfig
 from macattn.methods.completion.reference import (build_completion_cache, hybrid_decode_step, make_selector,
                                                   page_retrieval_completion_step, partition,
@@ -47,14 +47,8 @@ class CompletionAttention(AttentionMethod):
     def __init__(self, config: CompletionConfig, dims: ModelDims, *, num_slots: int,
                  maps: CompletionFeatureMaps, max_seq_len: int, use_op: bool | None = None) -> None:
         super().__init__(config, dims, num_slots=num_slots)
-        if not isinstance(maps, CompletionFeatureMaps):
-            raise TypeError(f"maps must be a CompletionFeatureMaps, got {type(maps).__name__}")
-        spec = maps.spec
-        if (spec.num_layers, spec.num_q_heads, spec.num_kv_heads, spec.head_dim) != (
-                dims.num_layers, dims.num_q_heads, dims.num_kv_heads, dims.head_dim):
-            raise ValueError(f"maps {spec} do not fit the model ({dims.num_layers} layers, "
-                             f"{dims.num_q_heads}/{dims.num_kv_heads} heads, head_dim {dims.head_dim})")
-        self.maps = maps.eval().to(dims.device)
+        self.maps = fitted_maps(maps, dims)
+        spec = self.maps.spec
         self.state = CompletionState.allocate(num_layers=dims.num_layers, num_slots=num_slots,
                                               num_kv_heads=dims.num_kv_heads, max_seq_len=max_seq_len,
                                               head_dim=dims.head_dim, feature_dim=spec.feature_dim, dtype=dims.dtype,

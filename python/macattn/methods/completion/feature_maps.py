@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 __all__ = ["FeatureMapSpec", "FeatureMap", "CompletionFeatureMaps", "student_logits", "save_feature_maps",
-           "load_feature_maps", "maps_for_model"]
+           "load_feature_maps", "maps_for_model", "fitted_maps"]
 
 
 @dataclass(frozen=True)
@@ -156,3 +156,16 @@ def maps_for_model(model, *, feature_dim: int, hidden: int, seed: int = 0) -> Co
     return CompletionFeatureMaps(FeatureMapSpec(num_layers=hf.num_hidden_layers, num_q_heads=hf.num_attention_heads,
                                                 num_kv_heads=hf.num_key_value_heads, head_dim=head_dim,
                                                 feature_dim=feature_dim, hidden=hidden, seed=seed))
+
+
+def fitted_maps(maps, dims) -> CompletionFeatureMaps:
+    """``maps`` checked against the model's ``dims`` (a ``ModelDims``: layers, heads, head dim) and moved to
+    its device in eval mode; a clear error names what does not fit."""
+    if not isinstance(maps, CompletionFeatureMaps):
+        raise TypeError(f"maps must be a CompletionFeatureMaps, got {type(maps).__name__}")
+    spec = maps.spec
+    if (spec.num_layers, spec.num_q_heads, spec.num_kv_heads, spec.head_dim) != (
+            dims.num_layers, dims.num_q_heads, dims.num_kv_heads, dims.head_dim):
+        raise ValueError(f"maps {spec} do not fit the model ({dims.num_layers} layers, "
+                         f"{dims.num_q_heads}/{dims.num_kv_heads} heads, head_dim {dims.head_dim})")
+    return maps.eval().to(dims.device)

@@ -26,7 +26,7 @@ import torch
 from macattn.methods.base import AttentionMethod, Capabilities, ModelDims
 from macattn.methods.completion import ops  # noqa: F401  (defines the torch ops)
 from macattn.methods.completion.config import CompletionConfig
-from macattn.methods.completion.feature_maps import CompletionFeatureMaps
+from macattn.methods.completion.feature_maps import CompletionFeatureMaps, fitted_maps
 from macattn.methods.completion.offload import OffloadConfig, OffloadedKV
 
 __all__ = ["OffloadedCompletion"]
@@ -45,18 +45,12 @@ class OffloadedCompletion(AttentionMethod):
     def __init__(self, config: CompletionConfig, dims: ModelDims, *, num_slots: int, maps: CompletionFeatureMaps,
                  max_seq_len: int, offload: OffloadConfig | None = None, store=None) -> None:
         super().__init__(config, dims, num_slots=num_slots)
-        if not isinstance(maps, CompletionFeatureMaps):
-            raise TypeError(f"maps must be a CompletionFeatureMaps, got {type(maps).__name__}")
-        spec = maps.spec
-        if (spec.num_layers, spec.num_q_heads, spec.num_kv_heads, spec.head_dim) != (
-                dims.num_layers, dims.num_q_heads, dims.num_kv_heads, dims.head_dim):
-            raise ValueError(f"maps {spec} do not fit the model ({dims.num_layers} layers, "
-                             f"{dims.num_q_heads}/{dims.num_kv_heads} heads, head_dim {dims.head_dim})")
+        self.maps = fitted_maps(maps, dims)
+        spec = self.maps.spec
         if offload is None:
             offload = OffloadConfig(max_prefill=max_seq_len - 1, max_generated=min(1024, max_seq_len - 1))
         if not isinstance(offload, OffloadConfig):
             raise TypeError(f"offload must be an OffloadConfig, got {type(offload).__name__}")
-        self.maps = maps.eval().to(dims.device)
         self.offload = offload
         self.state = OffloadedKV.allocate(config, offload, num_layers=dims.num_layers, num_slots=num_slots,
                                           num_kv_heads=dims.num_kv_heads, head_dim=dims.head_dim,
