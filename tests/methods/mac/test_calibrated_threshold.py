@@ -65,8 +65,8 @@ def test_runtime_and_engine_dir_run_the_calibrated_rule(tmp_path):
 
 
 def test_trtllm_swap_refuses_a_calibrated_config():
-    from macattn.builder.trtllm_build import plugin_fields
+    from macattn.builder.trtllm_build import MATCH_ID, plugin_fields
 
     with pytest.raises(ValueError, match=r"match_scale \(the calibrated threshold\) is not in the TensorRT-LLM"):
         plugin_fields(MacConfig(match_scale=[1.3]), 64)
-    assert plugin_fields(MacConfig(), 64)["mac::match"]["tau"] == 0.45
+    assert plugin_fields(MacConfig(), 64)[MATCH_ID]["tau"] == 0.45
