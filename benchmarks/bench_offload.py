@@ -220,6 +220,27 @@ def time_full_offload(host_k, host_v, sh, B, T, dev, dtype, reps, dry):
     return statistics.median(graph_replay_us(graph, reps, warmup=1))
 
 
+def page_op_stages(q, k, v, seq_lens, n_prefill, lpq, lpk, comp, lo, hi, page: int, budget_pages: int, d: int,
+                   reps: int) -> dict:
+    """µs of the GPU-resident page op's stages (CUDA-graph replays, each alone): the page select (bounds +
+    radix select), the expansion of pages to token positions, the shared split-K tail (exact + completion)."""
+    from cuda_timing import time_graph
+    from macattn.plugins.retrieval_completion.op import decode_retrieved_triton, page_positions, select_mid_pages
+
+    pages = select_mid_pages(q, lo, hi, n_prefill, N_SINK, N_TAIL, page, budget_pages)
+    idx = page_positions(pages, page)
+    out = torch.empty_like(q)
+
+    def tail():
+        decode_retrieved_triton(q, k, v, seq_lens, n_prefill, lpq, *comp, idx, retrieved=(k, v, lpk), n_sink=N_SINK,
+                                n_tail=N_TAIL, top_k=budget_pages, page_size=page, scale=1.0 / math.sqrt(d), out=out)
+
+    return {"select_pages": time_graph(lambda: select_mid_pages(q, lo, hi, n_prefill, N_SINK, N_TAIL, page,
+                                                                budget_pages), reps),
+            "page_positions": time_graph(lambda: page_positions(pages, page), reps),
+            "decode_tail": time_graph(tail, reps)}
+
+
 def per_layer(st, sh, B, T, cfg, dev, dtype, data, reps, fi_ok):
     """One layer with its KV on the GPU: the resident page op, the exhaustive op, FlashInfer; the offloaded
     step's output of that layer vs the resident op's (same data, bounds, pages)."""
@@ -247,6 +268,11 @@ def per_layer(st, sh, B, T, cfg, dev, dtype, data, reps, fi_ok):
 
         res["resident_page_us"] = time_graph(page_op, reps)
         res["resident_exhaustive_us"] = time_graph(exh_op, reps)
+        try:        # where the page op's time goes: its three stages, each captured alone
+            res["resident_page_stages_us"] = page_op_stages(q, kk, vv, sl, npf, lpq, lp, comp, lo, hi, cfg.page_size,
+                                                            K, sh.D, reps)
+        except Exception as e:  # noqa: BLE001  (recorded; the whole-op figure still counts)
+            res["resident_page_stages_error"] = f"{type(e).__name__}: {e}"[:300]
         if fi_ok:
             try:
                 from bench_completion_decode import flashinfer_step
