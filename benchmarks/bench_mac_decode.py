@@ -290,7 +290,8 @@ def run_point(B, ctx, args, pbar=None, fi_ok=True):
     t = time_graph(mac_step_fns(plan, sets, q_pre_attr="q_pre99"), reps_for(est_full * 0.05 + 20, n_sets))
     res["methods"]["mac_99"] = t
     tick("mac_99")
-    if B * HKV < 132:         # the one-launch persistent step (opt-in), same run and sets, where it applies
+    if B * HKV < torch.cuda.get_device_properties(0).multi_processor_count:
+        # the one-launch persistent step (opt-in; made for batches whose KV groups leave SMs idle), same sets
         plan1 = make_plan(B, ctx, PAGE_SIZE, **{**args.plan_kw, "persistent": True})
         res["methods"]["mac_hit_persistent"] = time_graph(mac_step_fns(plan1, sets), reps_for(40, n_sets))
         res["methods"]["mac_99_persistent"] = time_graph(mac_step_fns(plan1, sets, q_pre_attr="q_pre99"),

@@ -15,13 +15,7 @@ ENC = byte_encoder(2048)
 HAY = torch.randint(300, 2048, (4096,), generator=torch.Generator().manual_seed(4)).tolist()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: one thread (two threads contending with other processes' cores are ~10x slower here)."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _small_model():

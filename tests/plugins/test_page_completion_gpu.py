@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from triton_env import DEVICE, GPU_MARKS, INTERPRET  # noqa: E402  (first: sets the interpreter switch)
+from triton_env import DEVICE, GPU_MARKS, INTERPRET, poison_allocations  # noqa: E402  (first: sets the interpreter switch)
 from macattn.methods.completion.reference import (build_completion_cache_batched, full_attention_step, mid_pages,  # noqa: E402
                                                   page_bounds, page_retrieval_completion_step, page_upper_bounds,
                                                   partition, select_mid_pages_reference)
@@ -48,10 +48,7 @@ if INTERPRET:                 # the interpreter is slow (CI): the selection's ed
 def _poison(monkeypatch):
     from macattn.plugins.retrieval_completion import op
 
-    def nan_empty(*shape, dtype, device):
-        fill = float("nan") if dtype.is_floating_point else -7
-        return torch.full(shape, fill, dtype=dtype, device=device)
-    monkeypatch.setattr(op, "_alloc", nan_empty)
+    poison_allocations(monkeypatch, op)
 
 
 def _problem(case, dtype, seed):

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from triton_env import DEVICE, GPU_MARKS, INTERPRET  # noqa: E402  (first: sets the interpreter switch)
+from triton_env import DEVICE, GPU_MARKS, INTERPRET, poison_allocations  # noqa: E402  (first: sets the interpreter switch)
 from macattn.methods.completion.reference import build_completion_cache_batched, hybrid_decode_step, partition  # noqa: E402
 
 pytestmark = GPU_MARKS
@@ -45,10 +45,7 @@ TOP_KS = [0, 7, 64, 1 << 20]      # 1 << 20 >= every mid: the step is exact atte
 def _poison(monkeypatch):
     from macattn.plugins.retrieval_completion import op
 
-    def nan_empty(*shape, dtype, device):
-        fill = float("nan") if dtype.is_floating_point else -7
-        return torch.full(shape, fill, dtype=dtype, device=device)
-    monkeypatch.setattr(op, "_alloc", nan_empty)
+    poison_allocations(monkeypatch, op)
 
 
 def _cuda_op(name: str):

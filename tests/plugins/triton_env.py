@@ -36,3 +36,12 @@ def rerun_in_interpreter(target, *pytest_args: str, timeout: int = 900) -> None:
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert " passed" in last and " failed" not in last, proc.stdout[-2000:]
+
+
+def poison_allocations(monkeypatch, op_module) -> None:
+    """Make ``op_module._alloc`` (the launchers' output / scratch allocator) return NaN-filled floats and
+    ``-7``-filled integers, so a value a kernel fails to write shows up in the comparison."""
+    def nan_empty(*shape, dtype, device):
+        fill = float("nan") if dtype.is_floating_point else -7
+        return torch.full(shape, fill, dtype=dtype, device=device)
+    monkeypatch.setattr(op_module, "_alloc", nan_empty)
