@@ -75,7 +75,7 @@ class NoAttention(AttentionMethod):
 
     name: ClassVar[str] = "no_attention"
     config_type: ClassVar[type] = FullConfig
-    capabilities: ClassVar[Capabilities] = Capabilities(paged_kv=True, cuda_graphs=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(paged_kv=True, cuda_graphs=True, head_sharded=True)
 
     def decode(self, module, layer, query, key, value, q_pre, attention_mask, scale, step, fallback, **kwargs):
         return query.transpose(1, 2)
@@ -86,7 +86,7 @@ class FlashInferAttention(AttentionMethod):
 
     name: ClassVar[str] = "flashinfer"
     config_type: ClassVar[type] = FullConfig
-    capabilities: ClassVar[Capabilities] = Capabilities(paged_kv=True, cuda_graphs=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(paged_kv=True, cuda_graphs=True, head_sharded=True)
     wrapper = None
 
     def plan(self, flashinfer, seqs, block_size: int) -> None:

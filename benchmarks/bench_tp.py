@@ -33,9 +33,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_e2e import LLAMA_8B, TINY, build_model  # noqa: E402
+from bench_e2e import LLAMA_8B, TINY, FlashInferAttention, build_model  # noqa: E402
 
 from macattn.methods.mac.config import MacConfig  # noqa: E402
+from macattn.methods.registry import register  # noqa: E402
 from macattn.models.attention import unbind  # noqa: E402
 from macattn.runtime.config import RuntimeConfig  # noqa: E402
 from macattn.runtime.engine import LLMEngine  # noqa: E402
@@ -46,6 +47,7 @@ LLAMA_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, n
                  max_position_embeddings=131072 + 1024, tie_word_embeddings=False)
 SHAPES = {"8b": LLAMA_8B, "70b": LLAMA_70B}
 TINY_TP = {**TINY, "num_key_value_heads": 4}        # divisible by the dry run's TP = 2 (and 4)
+register(FlashInferAttention)   # at import: spawned ranks import this script too and build it by name
 
 
 # --- per-rank functions (run on every rank through TensorParallelExecutor.run_on_ranks) --------------
@@ -87,6 +89,13 @@ def seed_layer_all_hit(executor, seqs, layer: int, gap: int) -> None:
         pos[s.slot, (m - gap) % K] = m - gap
 
 
+def plan_flashinfer(executor, seqs) -> None:
+    """The rank's FlashInfer decode plan over its pool (its heads), before the graphs are captured."""
+    import flashinfer
+
+    executor.method.plan(flashinfer, seqs, executor.config.block_size)
+
+
 def hit_counts(executor) -> list[int]:
     """``[hits, heads x rows x layers]`` of the rank's latest decode step."""
     mp = list(getattr(executor.method, "last_match_pos", {}).values())
@@ -118,7 +127,7 @@ def make_engine(shapes: dict, tp: int, path: str, B: int, context: int, args, de
     mac = MacConfig(window=args.window, band=args.band, tau=args.tau) if path == "mac" else None
     model = (build_model(shapes, dtype, torch.device(device)) if tp == 1 else
              RandomWeights(LlamaConfig(**shapes), dtype=dtype, seed=0))
-    return LLMEngine(model, mac, rc, method="mac" if path == "mac" else "full")
+    return LLMEngine(model, mac, rc, method=path)
 
 
 def run_point(shapes: dict, tp: int, path: str, B: int, context: int, args, device: str, dtype) -> dict:
@@ -133,6 +142,8 @@ def run_point(shapes: dict, tp: int, path: str, B: int, context: int, args, devi
         for s in seqs:
             s.output.append(int(torch.randint(0, eng.vocab_size, (1,), generator=g)))
         _on_ranks(eng, fill_kv, 0)
+        if path == "flashinfer":
+            _on_ranks(eng, plan_flashinfer, seqs)
         if path == "mac":
             row.update(window=args.window, band=args.band, tau=args.tau, gap=args.gap)
             for layer in range(eng.executor.num_layers):
@@ -160,13 +171,36 @@ def run_point(shapes: dict, tp: int, path: str, B: int, context: int, args, devi
             torch.cuda.empty_cache()
 
 
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per (shapes, B x context): each TP's step over TP = 1's per path, and MAC's speed-up over the
+    full and FlashInfer paths per TP (the issue's targets: TP = 2 MAC step <= 0.6x TP = 1's at 4 x 128K,
+    and MAC's ratio over full at TP = 2 no lower than at TP = 1)."""
+    ms = {(r["shapes"], r["batch"], r["context"], r["tp"], r["path"]): r["step_ms_median"]
+          for r in rows if "step_ms_median" in r}
+    out = []
+    for shapes, B, ctx in sorted({k[:3] for k in ms}):
+        point = {"shapes": shapes, "batch": B, "context": ctx}
+        for (s_, b_, c_, tp, path), v in sorted(ms.items()):
+            if (s_, b_, c_) != (shapes, B, ctx):
+                continue
+            base = ms.get((shapes, B, ctx, 1, path))
+            if tp > 1 and base:
+                point[f"{path}_tp{tp}_over_tp1"] = v / base
+            if path == "mac":
+                for peer in ("full", "flashinfer"):
+                    if (shapes, B, ctx, tp, peer) in ms:
+                        point[f"mac_speedup_over_{peer}_tp{tp}"] = ms[(shapes, B, ctx, tp, peer)] / v
+        out.append(point)
+    return out
+
+
 def _table(rows: list[dict]) -> str:
-    head = f"{'shapes':>6} {'TP':>3} {'path':>5} {'B x ctx':>12} {'step ms':>9} {'hit':>6}  note"
+    head = f"{'shapes':>6} {'TP':>3} {'path':>10} {'B x ctx':>12} {'step ms':>9} {'hit':>6}  note"
     lines = [head, "-" * len(head)]
     for r in rows:
         ms = f"{r['step_ms_median']:.3f}" if "step_ms_median" in r else "-"
         hit = f"{r['hit_rate_measured']:.3f}" if "hit_rate_measured" in r else "-"
-        lines.append(f"{r['shapes']:>6} {r['tp']:>3} {r['path']:>5} {r['batch']}x{r['context']:<10} {ms:>9} {hit:>6}  "
+        lines.append(f"{r['shapes']:>6} {r['tp']:>3} {r['path']:>10} {r['batch']}x{r['context']:<10} {ms:>9} {hit:>6}  "
                      f"{r.get('note', '')}")
     return "\n".join(lines)
 
@@ -177,7 +211,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, nargs="+", default=None, help="TP sizes (default 1 2 4; dry: 1 2)")
     ap.add_argument("--shapes", nargs="+", default=["8b", "70b"], choices=list(SHAPES))
     ap.add_argument("--grid", nargs="+", default=None, help="BxCTX points (default 1x131072 4x131072; dry: 1x64 2x64)")
-    ap.add_argument("--paths", nargs="+", default=["full", "mac"], choices=["full", "mac"])
+    ap.add_argument("--paths", nargs="+", default=None, choices=["full", "mac", "flashinfer"],
+                    help="default full mac flashinfer (dry: full mac)")
     ap.add_argument("--window", type=int, default=None, help="ring window K (default 1024; dry 32)")
     ap.add_argument("--band", type=int, default=None, help="band r (default 256; dry 8)")
     ap.add_argument("--tau", type=float, default=0.45)
@@ -194,6 +229,7 @@ def main(argv=None) -> int:
                                                                           ["1x64", "2x64"])]
     args.window, args.band, args.gap = pick(args.window, 1024, 32), pick(args.band, 256, 8), pick(args.gap, 64, 4)
     args.reps = pick(args.reps, 50, 2)
+    args.paths = pick(args.paths, ["full", "mac", "flashinfer"], ["full", "mac"])
     if not dry and not torch.cuda.is_available():
         print("no CUDA device: run on a GPU or use --dry-run", file=sys.stderr)
         return 2
@@ -213,6 +249,13 @@ def main(argv=None) -> int:
         versions["triton"] = triton.__version__
     except ImportError:
         versions["triton"] = None
+    try:
+        import flashinfer
+
+        versions["flashinfer"] = flashinfer.__version__
+    except ImportError as exc:
+        versions["flashinfer"] = None
+        flashinfer_error = f"skipped: flashinfer not importable ({exc})"
     out = Path(args.out) if args.out else (
         Path(tempfile.mkdtemp()) / "bench_tp_dry.json" if dry else
         Path(__file__).parent / "results" / f"bench_tp_{name.split()[1].lower() if len(name.split()) > 1 else 'gpu'}.json")
@@ -223,7 +266,7 @@ def main(argv=None) -> int:
         report = {"benchmark": "bench_tp", "dry_run": dry, "device": name, "visible_gpus": visible,
                   "backend": "gloo" if dry else "nccl", **versions, "shapes": shape_sets, "reps": args.reps,
                   "figure": "wall-clock decode_step on rank 0 (ms): broadcast, every rank's replay, tokens back",
-                  "complete": final, "rows": rows}
+                  "complete": final, "rows": rows, "ratios": ratios(rows)}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1))
 
@@ -232,6 +275,9 @@ def main(argv=None) -> int:
             for B, context in points:
                 for path in args.paths:
                     base = {"shapes": label, "tp": tp, "path": path, "batch": B, "context": context}
+                    if path == "flashinfer" and versions["flashinfer"] is None:
+                        rows.append({**base, "note": flashinfer_error})
+                        continue
                     if not dry and tp > visible:
                         rows.append({**base, "note": f"skipped: TP={tp} > {visible} visible GPUs"})
                         continue
@@ -249,6 +295,8 @@ def main(argv=None) -> int:
                     save(False)
     save(True)
     print(_table(rows))
+    for r in ratios(rows):
+        print(json.dumps(r))
     print(f"wrote {out}")
     return 0
 

@@ -20,11 +20,19 @@ token rank 0 appended).
 
 Failures never hang: a collective of the model group waits ``RuntimeConfig.tp_timeout_s`` at most (a
 dead peer's closed connection ends it at once on gloo; rank 0 watches its workers and aborts the groups
-when one dies, which ends an NCCL wait too); a worker whose op or collective fails prints
+when one dies); a worker whose op or collective fails prints
 ``macattn tensor-parallel rank r: ...`` and exits; rank 0 then raises ``TensorParallelError`` naming the
 rank(s) that died and their exit codes, and stops the others (their connections close; survivors are
 terminated after a grace period). Workers die with rank 0 (``PR_SET_PDEATHSIG``, and the control
 connection closing). A broken group refuses every later call with the same error.
+
+On GPUs a peer that dies while rank 0 is inside a collective leaves rank 0's stream on an NCCL kernel that
+never finishes, and ``ncclCommAbort`` does not release it (measured on two H200s, NCCL 2.28: the abort
+itself times out): rank 0's process cannot continue. As torch's own NCCL watchdog does on a collective
+timeout, rank 0 then stops its workers, prints ``macattn tensor-parallel: ...`` naming the dead rank and
+exits with code ``EXIT_WEDGED`` (70) once the op has not returned for ``_WEDGE_GRACE_S``. A server in
+front of the engine is a process to restart; a library user who must survive a lost GPU worker runs the
+engine in a child process.
 
 Methods: those whose ``capabilities.head_sharded`` is set (``full``, ``mac``); any other, FastMKA-patched
 models and A3 chunked prompts raise ``NotImplementedError`` naming what is not sharded. Worker processes
@@ -44,6 +52,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import weakref
 from dataclasses import replace
 from typing import Any, Callable
@@ -68,6 +77,8 @@ _CONTROL_IDLE = datetime.timedelta(days=365)   # a worker waits for the next ste
 _INLINE = 8192                                 # control message bytes sent in the first broadcast
 _EXIT_OWN_ERROR = 1                            # a worker's own op raised
 _EXIT_PEER_GONE = 3                            # a worker lost a peer (its collective failed)
+EXIT_WEDGED = 70                               # rank 0: a dead peer left this process's NCCL stream stuck
+_WEDGE_GRACE_S = 10.0                          # how long an op in flight may outlive the abort
 
 
 class TensorParallelError(RuntimeError):
@@ -206,6 +217,7 @@ class TensorParallelGroup:
         self._pending: list[tuple] = []            # (engine id, action, arg) for the workers' next message
         self._pending_lock = threading.Lock()
         self._engine_ids = itertools.count()
+        self._in_op = False                          # rank 0 is inside ``run`` (the watch thread reads it)
         self.procs: list = []
         store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=timeout_s),
                               wait_for_workers=False)
@@ -228,17 +240,32 @@ class TensorParallelGroup:
         threading.Thread(target=self._watch, name="macattn-tp-watch", daemon=True).start()
 
     def _watch(self) -> None:
-        """Abort the groups as soon as a worker dies: an op rank 0 has in flight (a host wait on an NCCL
-        stream included) then fails at once instead of at the collective timeout."""
+        """Abort the groups as soon as a worker dies: an op rank 0 has in flight then fails at once instead
+        of at the collective timeout (gloo). An NCCL op that still has not returned ``_WEDGE_GRACE_S`` later
+        is stuck on the GPU for good: exit (module doc)."""
         while self.broken is None:
             if self._dead():
                 for part in (self.comm, self.control):
-                    try:
-                        part.pg.abort()
-                    except Exception:
-                        pass
+                    # the NCCL abort can block (module doc): never on this thread
+                    threading.Thread(target=_abort_quietly, args=(part,), daemon=True).start()
+                if self.backend == "nccl":
+                    deadline = time.monotonic() + _WEDGE_GRACE_S
+                    while self._in_op and time.monotonic() < deadline:
+                        threading.Event().wait(0.1)
+                    if self._in_op:
+                        self._exit_wedged()
                 return
             threading.Event().wait(0.2)
+
+    def _exit_wedged(self) -> None:
+        msg = (f"macattn tensor-parallel: the group of {self.size} ranks stopped during a collective"
+               f"{self._dead_summary()}; NCCL cannot release this process's GPU stream, so the process exits "
+               f"with code {EXIT_WEDGED} (restart it, or run the engine in a child process)")
+        print(msg, file=sys.stderr, flush=True)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        os._exit(EXIT_WEDGED)
 
     @classmethod
     def get(cls, size: int, devices: list[str], timeout_s: float) -> "TensorParallelGroup":
@@ -270,10 +297,13 @@ class TensorParallelGroup:
             try:
                 with self._pending_lock:
                     pending, self._pending = self._pending, []
+                self._in_op = True
                 self.control.broadcast((pending, engine_id, op, args))
                 return local()
             except BaseException as exc:
                 raise self._fail(exc) from exc
+            finally:
+                self._in_op = False
 
     # --- failure and shutdown ----------------------------------------------------------------
     def _dead(self) -> list:
@@ -311,10 +341,10 @@ class TensorParallelGroup:
             for name in ("control", "comm"):
                 part = getattr(self, name, None)
                 if part is not None:
-                    try:
-                        part.pg.abort()          # closes our connections: a waiting worker's recv ends
-                    except Exception:
-                        pass
+                    # closes our connections (a waiting worker's recv ends); an NCCL abort can block: bounded
+                    t = threading.Thread(target=_abort_quietly, args=(part,), daemon=True)
+                    t.start()
+                    t.join(5.0)
                     setattr(self, name, None)
             self._stop_processes(timeout_s)
             with TensorParallelGroup._live_lock:
@@ -332,6 +362,13 @@ class TensorParallelGroup:
             if p.is_alive():
                 p.kill()
                 p.join(2.0)
+
+
+def _abort_quietly(part) -> None:
+    try:
+        part.pg.abort()
+    except Exception:
+        pass
 
 
 def shutdown_all() -> None:

@@ -91,6 +91,57 @@ def test_cli_long_gen_writes_json_and_png(tmp_path, monkeypatch):
     assert r["settings"]["tokens"] == 16 and out.with_suffix(".png").stat().st_size > 0
 
 
+def test_runs_split_per_method_merge_into_the_single_run(tmp_path, monkeypatch):
+    """``--no-uniform`` / one method per process, then ``--long-gen-merge``: the merged result equals one
+    run of both methods (samples, per-method entries but their seconds, the summary)."""
+    import macattn.evaluation.harness as harness
+
+    monkeypatch.setattr(harness, "load_eval_model", lambda which, **kw: (_small_model(), ENC, HAY, [], "test"))
+    p = argparse.ArgumentParser()
+    register(p.add_subparsers())
+    common = ["eval", "--long-gen", "--long-gen-tokens", "12", "--lengths", "300", "--tasks", "niah_single,vt",
+              "--window", "64", "--band", "8", "--taus", "0.0", "--bins", "4"]
+    runs = {"both": ["--two-stage"], "uniform": [], "two_stage": ["--two-stage", "--no-uniform"]}
+    for name, extra in runs.items():
+        a = p.parse_args([*common, *extra, "--out", str(tmp_path / f"{name}.json")])
+        assert a.func(a) == 0
+    a = p.parse_args(["eval", "--long-gen-merge", str(tmp_path / "uniform.json"), str(tmp_path / "two_stage.json"),
+                      "--out", str(tmp_path / "merged.json")])
+    assert a.func(a) == 0
+    both, merged = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("both", "merged"))
+    strip = lambda r: [{n: {k: v for k, v in m.items() if k != "seconds"} for n, m in e["methods"].items()}  # noqa: E731
+                       for e in r["samples"]]
+    assert list(merged["summary"]) == list(both["summary"]) and len(merged["summary"]) == 3
+    assert strip(merged) == strip(both)
+    assert merged["summary"] == both["summary"]
+    assert merged["settings"]["tasks"] == ["niah_single", "vt"]
+    assert (tmp_path / "merged.png").stat().st_size > 0
+    a = p.parse_args([*common, "--no-uniform", "--out", str(tmp_path / "none.json")])
+    with pytest.raises(SystemExit, match="--no-uniform leaves no method"):
+        a.func(a)
+
+
+def test_merge_refuses_runs_that_disagree():
+    from macattn.evaluation.long_gen import merge_long_gen
+
+    model = _small_model()
+    settings = LongGenSettings(lengths=(200,), tasks=("niah_single",), tokens=6, bins=2)
+    r1 = run_long_gen(model, [Mac(MacConfig(window=64, band=8, tau=0.0))], settings, encode=ENC, haystack_ids=HAY,
+                      progress=False)
+    with pytest.raises(ValueError, match="is in two results"):
+        merge_long_gen([r1, r1])
+    r2 = json.loads(json.dumps(r1))
+    r2["samples"][0]["methods"]["full"]["answer"] = [-1]
+    r2["samples"][0]["methods"] = {"full": r2["samples"][0]["methods"]["full"]}
+    with pytest.raises(ValueError, match="full attention answered"):
+        merge_long_gen([r1, r2])
+    r3 = {**json.loads(json.dumps(r1)), "settings": {**r1["settings"], "tokens": 7}}
+    with pytest.raises(ValueError, match="must share the model and the settings"):
+        merge_long_gen([r1, r3])
+    with pytest.raises(ValueError, match="at least one"):
+        merge_long_gen([])
+
+
 def test_settings_validation():
     with pytest.raises(ValueError, match="tokens must be an int >= 2"):
         LongGenSettings(tokens=1)

@@ -374,27 +374,39 @@ def _csv(s: str, typ):
 
 
 def _cmd_long_gen(args) -> int:
-    """``macattn eval --long-gen``: ``long_gen.run_long_gen`` of MAC at each ``--taus`` (default 0.45), the
-    ``--per-layer`` config and, with ``--two-stage``, the two-stage match at the first tau."""
-    from macattn.evaluation.long_gen import LongGenSettings, plot_long_gen, run_long_gen
+    """``macattn eval --long-gen``: ``long_gen.run_long_gen`` of MAC at each ``--taus`` (default 0.45; none
+    with ``--no-uniform``), the ``--per-layer`` config and, with ``--two-stage``, the two-stage match at the
+    first tau. ``--long-gen-merge A.json B.json ...``: one result (JSON + PNG) from several such runs."""
+    from macattn.evaluation.long_gen import LongGenSettings, merge_long_gen, run_long_gen
 
+    if args.long_gen_merge:
+        result = merge_long_gen([json.loads(Path(f).read_text()) for f in args.long_gen_merge])
+        return _write_long_gen(result, Path(args.out))
     settings = LongGenSettings(lengths=_csv(args.lengths, int) if args.lengths else (4096,),
                                tasks=_csv(args.tasks, str) if args.tasks else LongGenSettings.tasks,
                                n=args.n or 1, tokens=args.long_gen_tokens, bins=args.bins, seed=args.seed)
-    model, encode, hay, bos, hay_desc = load_eval_model(args.model, seed=args.seed, haystack=args.haystack,
-                                                        device=args.device)
     taus = _csv(args.taus, float) if args.taus else (0.45,)
     base = MacConfig(window=args.window, band=args.band)
-    methods: list[EvalMethod] = [Mac(replace(base, tau=t), gen_len=settings.tokens) for t in taus]
+    methods: list[EvalMethod] = [] if args.no_uniform else [Mac(replace(base, tau=t), gen_len=settings.tokens)
+                                                             for t in taus]
     if args.two_stage:
         methods.append(Mac(replace(base, tau=taus[0], match="two_stage"), gen_len=settings.tokens))
     if args.per_layer:
         methods.append(Mac(MacConfig.load(args.per_layer), gen_len=settings.tokens,
                            name=f"mac(per-layer {Path(args.per_layer).name})"))
+    if not methods:
+        raise SystemExit("--no-uniform leaves no method: add --two-stage or --per-layer")
+    model, encode, hay, bos, hay_desc = load_eval_model(args.model, seed=args.seed, haystack=args.haystack,
+                                                        device=args.device)
     result = run_long_gen(model, methods, settings, encode=encode, haystack_ids=hay, bos=bos)
     result.update(source=args.model, haystack=hay_desc, machine=f"{platform.machine()}, {args.device}, "
                                                                    f"{torch.get_num_threads()} CPU threads")
-    out = Path(args.out)
+    return _write_long_gen(result, Path(args.out))
+
+
+def _write_long_gen(result: dict, out: Path) -> int:
+    from macattn.evaluation.long_gen import plot_long_gen
+
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{'method':<46}{'acc@end':>8}{'diverges at (per sample)':>28}{'hit':>7}{'skip':>7}")
@@ -414,7 +426,7 @@ def _cmd_long_gen(args) -> int:
 def _cmd_eval(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.long_gen:
+    if args.long_gen or args.long_gen_merge:
         return _cmd_long_gen(args)
     preset = PRESETS[args.preset]
     st = preset["settings"]
@@ -520,4 +532,9 @@ def register(sub) -> None:
     p.add_argument("--long-gen-tokens", type=int, default=4096, help="free-running tokens before the question")
     p.add_argument("--bins", type=int, default=32, help="--long-gen: time bins of the hit / skip summary")
     p.add_argument("--two-stage", action="store_true", help="--long-gen: also MAC's two-stage match (fp8, c=4)")
+    p.add_argument("--no-uniform", action="store_true",
+                   help="--long-gen: no uniform-tau MAC runs (only --two-stage / --per-layer; one method per "
+                        "process, merged with --long-gen-merge)")
+    p.add_argument("--long-gen-merge", nargs="+", default=None, metavar="JSON",
+                   help="merge --long-gen results of one model and settings into --out (JSON + PNG)")
     p.set_defaults(func=_cmd_eval)

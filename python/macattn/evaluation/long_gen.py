@@ -17,6 +17,7 @@ Full attention is the model's own; MAC runs ``macattn.methods.mac.reference`` on
 """
 from __future__ import annotations
 
+import json
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -28,7 +29,7 @@ from tqdm.auto import tqdm
 from macattn.evaluation import tasks as T
 from macattn.evaluation.methods import EvalMethod, Recorder
 
-__all__ = ["LongGenSettings", "long_generate", "run_long_gen", "plot_long_gen"]
+__all__ = ["LongGenSettings", "long_generate", "run_long_gen", "summarise", "merge_long_gen", "plot_long_gen"]
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def run_long_gen(model, methods: Sequence[EvalMethod], settings: LongGenSettings
         raise ValueError(f"method names must be distinct and not 'full', got {names}")
     ev = EvalSettings(lengths=settings.lengths, tasks=settings.tasks, n=settings.n, gen=2, seed=settings.seed)
     samples = make_samples(ev, encode, haystack_ids, bos)
-    per_sample, agg = [], {name: dict(correct=0, divergence=[], timeline=None) for name in ["full", *names]}
+    per_sample = []
     L = model.config.num_hidden_layers
     G = settings.tokens - 1          # generation decode steps per sample
     for s in tqdm(samples, desc="long-gen samples", disable=not progress):
@@ -117,7 +118,6 @@ def run_long_gen(model, methods: Sequence[EvalMethod], settings: LongGenSettings
         full = long_generate(model, None, doc, settings.tokens, s.question, len(s.answer), desc="full")
         entry["methods"]["full"] = dict(correct=full["answer"] == list(s.answer), answer=full["answer"],
                                         seconds=full["seconds"])
-        agg["full"]["correct"] += int(full["answer"] == list(s.answer))
         for m in methods:
             m.recorder = Recorder(L, keep_timeline=True)
             res = long_generate(model, m, doc, settings.tokens, s.question, len(s.answer), desc=m.name)
@@ -126,9 +126,8 @@ def run_long_gen(model, methods: Sequence[EvalMethod], settings: LongGenSettings
             hit_t = [[h for h, _ in rec.timeline[i]] for i in range(L)]
             skip_t = [[k for _, k in rec.timeline[i]] for i in range(L)]
             err_t = [list(rec.errors[i]) for i in range(L)]
-            ok = res["answer"] == list(s.answer)
             entry["methods"][m.name] = dict(
-                correct=ok, answer=res["answer"], first_divergence=div,
+                correct=res["answer"] == list(s.answer), answer=res["answer"], first_divergence=div,
                 matching_prefix=settings.tokens if div is None else div, seconds=res["seconds"],
                 hit_over_time=[_bins(h, 0, G, settings.bins) for h in hit_t],
                 skip_over_time=[_bins(k, 0, G, settings.bins) for k in skip_t],
@@ -136,28 +135,84 @@ def run_long_gen(model, methods: Sequence[EvalMethod], settings: LongGenSettings
                 hit_rate_per_layer=[sum(h[:G]) / max(1, len(h[:G])) for h in hit_t],
                 skip_per_layer=[sum(k[:G]) / max(1, len(k[:G])) for k in skip_t],
                 hit_rate_answer_steps=[sum(h[G:]) / max(1, len(h[G:])) for h in hit_t])
-            a = agg[m.name]
-            a["correct"] += int(ok)
-            a["divergence"].append(settings.tokens if div is None else div)
         per_sample.append(entry)
+    cfg = model.config
+    return dict(settings=asdict(settings), device=str(next(model.parameters()).device),
+                model=dict(layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
+                           kv_heads=cfg.num_key_value_heads, params=sum(p.numel() for p in model.parameters())),
+                torch=torch.__version__, summary=summarise(per_sample), samples=per_sample)
+
+
+def summarise(per_sample: Sequence[dict]) -> dict:
+    """Per method over the samples: accuracy at the end; for MAC methods also the first divergences, the
+    mean matching prefix, the hit rate and KV skip (mean over layers, then samples) and their per-layer
+    means. Every sample must hold the same methods."""
+    names = list(per_sample[0]["methods"])
+    if any(list(e["methods"]) != names for e in per_sample):
+        raise ValueError(f"every sample must hold the same methods {names}")
     summary = {}
-    for name, a in agg.items():
-        row = dict(accuracy=a["correct"] / len(samples))
+    for name in names:
+        ms = [e["methods"][name] for e in per_sample]
+        row = dict(accuracy=sum(bool(m["correct"]) for m in ms) / len(ms))
         if name != "full":
-            ms = [e["methods"][name] for e in per_sample]
             L_ = len(ms[0]["hit_rate_per_layer"])
             row.update(first_divergence=[m["first_divergence"] for m in ms],
-                       mean_matching_prefix=sum(a["divergence"]) / len(a["divergence"]),
+                       mean_matching_prefix=sum(m["matching_prefix"] for m in ms) / len(ms),
                        hit_rate=sum(sum(m["hit_rate_per_layer"]) / L_ for m in ms) / len(ms),
                        kv_skip=sum(sum(m["skip_per_layer"]) / L_ for m in ms) / len(ms),
                        hit_rate_per_layer=[sum(m["hit_rate_per_layer"][i] for m in ms) / len(ms) for i in range(L_)],
                        skip_per_layer=[sum(m["skip_per_layer"][i] for m in ms) / len(ms) for i in range(L_)])
         summary[name] = row
-    cfg = model.config
-    return dict(settings=asdict(settings), device=str(next(model.parameters()).device),
-                model=dict(layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
-                           kv_heads=cfg.num_key_value_heads, params=sum(p.numel() for p in model.parameters())),
-                torch=torch.__version__, summary=summary, samples=per_sample)
+    return summary
+
+
+def merge_long_gen(results: Sequence[dict]) -> dict:
+    """One result from several ``run_long_gen`` results of one model and settings (save ``tasks``) that
+    ran different methods or tasks (e.g. one process per method): samples matched by (task, length, index
+    within both), methods united, the summary recomputed. Each result's divergences are against its own
+    full-attention run; ``ValueError`` if two runs' full attention answered one sample differently, if a
+    method name appears twice for one sample, or if settings / models differ."""
+    if not results:
+        raise ValueError("results must hold at least one long-gen result")
+    results = [json.loads(json.dumps(r)) for r in results]       # copies, in their JSON form (lists)
+    ref = results[0]
+    keep = lambda r: {k: v for k, v in r["settings"].items() if k != "tasks"}  # noqa: E731
+    for r in results[1:]:
+        if keep(r) != keep(ref) or r["model"] != ref["model"]:
+            raise ValueError("long-gen results to merge must share the model and the settings (tasks aside): "
+                             f"{keep(ref)} {ref['model']} vs {keep(r)} {r['model']}")
+    merged: dict[tuple, dict] = {}
+    tasks: list[str] = []
+    for r in results:
+        seen: dict[tuple, int] = {}
+        for e in r["samples"]:
+            base = (e["task"], e["document_tokens"])
+            key = (*base, seen.setdefault(base, 0))
+            seen[base] += 1
+            tasks += [e["task"]] if e["task"] not in tasks else []
+            if key not in merged:
+                merged[key] = {**e, "methods": dict(e["methods"])}
+                continue
+            have = merged[key]["methods"]
+            if e["answer"] != merged[key]["answer"]:
+                raise ValueError(f"sample {key} is not the same sample in every result (expected answers "
+                                 f"{merged[key]['answer']} and {e['answer']}): were the seeds the same?")
+            if e["methods"]["full"]["answer"] != have["full"]["answer"]:
+                raise ValueError(f"sample {key}: full attention answered {have['full']['answer']} in one run "
+                                 f"and {e['methods']['full']['answer']} in another")
+            for name, m in e["methods"].items():
+                if name != "full" and name in have:
+                    raise ValueError(f"sample {key}: method {name!r} is in two results")
+                have.setdefault(name, m)
+    per_sample = list(merged.values())
+    names = sorted({n for e in per_sample for n in e["methods"]}, key=lambda n: (n != "full", n))
+    missing = [(e["task"], n) for e in per_sample for n in names if n not in e["methods"]]
+    if missing:
+        raise ValueError(f"every method must have run every sample; missing (task, method): {missing}")
+    for e in per_sample:
+        e["methods"] = {n: e["methods"][n] for n in names}
+    return {**ref, "settings": {**ref["settings"], "tasks": tasks}, "summary": summarise(per_sample),
+            "samples": per_sample, "merged_from": len(results)}
 
 
 def plot_long_gen(result: dict, path):

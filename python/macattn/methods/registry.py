@@ -9,7 +9,7 @@ from macattn.methods.full.backend import FullAttention
 from macattn.methods.mac.backend import MacAttention
 from macattn.methods.mka.backend import FastMka
 
-__all__ = ["METHODS", "ATTENTION_METHODS", "method_class"]
+__all__ = ["METHODS", "ATTENTION_METHODS", "method_class", "register"]
 
 METHODS: dict[str, type[AttentionMethod]] = {
     FullAttention.name: FullAttention,
@@ -23,6 +23,20 @@ METHODS: dict[str, type[AttentionMethod]] = {
 
 ATTENTION_METHODS = tuple(n for n, c in METHODS.items()
                           if not (c.capabilities.prefill_only or c.capabilities.composes))
+
+
+def register(cls: type[AttentionMethod]) -> type[AttentionMethod]:
+    """Add an attention method under ``cls.name`` (a class decorator), so the engine and every
+    tensor-parallel rank build it by name. A process that spawns ranks registers it at import of a
+    module the ranks import too (the main script, under ``spawn``). ``ValueError`` if the name is taken
+    by another class."""
+    global ATTENTION_METHODS
+    if METHODS.get(cls.name, cls) is not cls:
+        raise ValueError(f"method name {cls.name!r} is already registered to {METHODS[cls.name].__name__}")
+    METHODS[cls.name] = cls
+    if not (cls.capabilities.prefill_only or cls.capabilities.composes) and cls.name not in ATTENTION_METHODS:
+        ATTENTION_METHODS = (*ATTENTION_METHODS, cls.name)
+    return cls
 
 
 def method_class(name: str) -> type[AttentionMethod]:
