@@ -223,21 +223,20 @@ def time_full_offload(host_k, host_v, sh, B, T, dev, dtype, reps, dry):
 def page_op_stages(q, k, v, seq_lens, n_prefill, lpq, lpk, comp, lo, hi, page: int, budget_pages: int, d: int,
                    reps: int) -> dict:
     """µs of the GPU-resident page op's stages (CUDA-graph replays, each alone): the page select (bounds +
-    radix select), the expansion of pages to token positions, the shared split-K tail (exact + completion)."""
+    radix select) and the tail over the selected pages (exact attention per KV head's query group +
+    completion, ``decode_pages_triton``)."""
     from cuda_timing import time_graph
-    from macattn.plugins.retrieval_completion.op import decode_retrieved_triton, page_positions, select_mid_pages
+    from macattn.plugins.retrieval_completion.op import decode_pages_triton, select_mid_pages
 
     pages = select_mid_pages(q, lo, hi, n_prefill, N_SINK, N_TAIL, page, budget_pages)
-    idx = page_positions(pages, page)
     out = torch.empty_like(q)
 
     def tail():
-        decode_retrieved_triton(q, k, v, seq_lens, n_prefill, lpq, *comp, idx, retrieved=(k, v, lpk), n_sink=N_SINK,
-                                n_tail=N_TAIL, top_k=budget_pages, page_size=page, scale=1.0 / math.sqrt(d), out=out)
+        decode_pages_triton(q, k, v, seq_lens, n_prefill, lpq, lpk, *comp, pages, n_sink=N_SINK, n_tail=N_TAIL,
+                            page_size=page, scale=1.0 / math.sqrt(d), out=out)
 
     return {"select_pages": time_graph(lambda: select_mid_pages(q, lo, hi, n_prefill, N_SINK, N_TAIL, page,
                                                                 budget_pages), reps),
-            "page_positions": time_graph(lambda: page_positions(pages, page), reps),
             "decode_tail": time_graph(tail, reps)}
 
 

@@ -6,7 +6,9 @@
 2. ``_select_kernel``, grid ``(B, Hkv)``: a radix select instead of a sort: the ``budget``-th largest
    score is found bit by bit on order-preserving integer keys (32 counting passes over the scores),
    then every page above it and the first pages equal to it (lower index first) are written in
-   ascending order by a running prefix sum; ``-1`` fills what the valid pages cannot.
+   ascending order by a running prefix sum; ``-1`` fills what the valid pages cannot. A row of at most
+   ``ONE_BLOCK_MAX`` pages is loaded once and the passes count in registers (``ONE_BLOCK``); a longer
+   one is streamed from memory in every pass.
 """
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import triton.language as tl
 
 from .._triton_util import check_cuda_or_interp, next_pow2
 
-__all__ = ["launch_select_pages", "check_select_inputs"]
+__all__ = ["launch_select_pages", "check_select_inputs", "ONE_BLOCK_MAX"]
+
+ONE_BLOCK_MAX = 16384          # pages per row the select kernel holds in registers (16 warps: 32 keys a thread)
 
 
 @triton.jit
@@ -51,42 +55,56 @@ def _key(x):
 
 @triton.jit
 def _select_kernel(scores_ptr, n_pages_ptr, pages_ptr, stride_sb, stride_sh, stride_pb, stride_ph,
-                   P, budget, BLOCK: tl.constexpr, OUT_P: tl.constexpr):
+                   P, budget, BLOCK: tl.constexpr, OUT_P: tl.constexpr, ONE_BLOCK: tl.constexpr):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     row = scores_ptr + b.to(tl.int64) * stride_sb + kh * stride_sh
     n = tl.minimum(tl.load(n_pages_ptr + b).to(tl.int32), P)
     want = tl.minimum(budget, n)
-    # the want-th largest key, bit by bit from the top
-    t = tl.zeros([], tl.int64)
-    for i in range(32):
-        cand = t | (tl.full([], 1, tl.int64) << (31 - i))
-        cnt = tl.zeros([], tl.int32)
+    out_row = pages_ptr + b.to(tl.int64) * stride_pb + kh * stride_ph
+    if ONE_BLOCK:                                   # the whole row in registers: one load, 32 counts
+        pp = tl.arange(0, BLOCK)
+        valid = pp < n
+        k = tl.where(valid, _key(tl.load(row + pp, mask=valid, other=float("-inf"))), -1)  # keys >= 0: -1 never counts
+        t = tl.zeros([], tl.int64)
+        for i in range(32):
+            cand = t | (tl.full([], 1, tl.int64) << (31 - i))
+            t = tl.where(tl.sum((k >= cand).to(tl.int32), axis=0) >= want, cand, t)
+        ties_left = want - tl.sum((k > t).to(tl.int32), axis=0)
+        tie = k == t
+        take = (k > t) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= ties_left))
+        tl.store(out_row + tl.cumsum(take.to(tl.int32), axis=0) - 1, pp.to(tl.int64), mask=take)
+        written = tl.sum(take.to(tl.int32), axis=0)
+    else:
+        # the want-th largest key, bit by bit from the top
+        t = tl.zeros([], tl.int64)
+        for i in range(32):
+            cand = t | (tl.full([], 1, tl.int64) << (31 - i))
+            cnt = tl.zeros([], tl.int32)
+            for p0 in range(0, P, BLOCK):
+                pp = p0 + tl.arange(0, BLOCK)
+                k = _key(tl.load(row + pp, mask=pp < n, other=float("-inf")))
+                cnt += tl.sum(((k >= cand) & (pp < n)).to(tl.int32), axis=0)
+            t = tl.where(cnt >= want, cand, t)
+        # pages above t, then the first (want - above) pages equal to t, in ascending page order
+        above = tl.zeros([], tl.int32)
         for p0 in range(0, P, BLOCK):
             pp = p0 + tl.arange(0, BLOCK)
             k = _key(tl.load(row + pp, mask=pp < n, other=float("-inf")))
-            cnt += tl.sum(((k >= cand) & (pp < n)).to(tl.int32), axis=0)
-        t = tl.where(cnt >= want, cand, t)
-    # pages above t, then the first (want - above) pages equal to t, in ascending page order
-    above = tl.zeros([], tl.int32)
-    for p0 in range(0, P, BLOCK):
-        pp = p0 + tl.arange(0, BLOCK)
-        k = _key(tl.load(row + pp, mask=pp < n, other=float("-inf")))
-        above += tl.sum(((k > t) & (pp < n)).to(tl.int32), axis=0)
-    ties_left = want - above
-    out_row = pages_ptr + b.to(tl.int64) * stride_pb + kh * stride_ph
-    written = tl.zeros([], tl.int32)
-    for p0 in range(0, P, BLOCK):
-        pp = p0 + tl.arange(0, BLOCK)
-        valid = pp < n
-        k = _key(tl.load(row + pp, mask=valid, other=float("-inf")))
-        tie = valid & (k == t)
-        tie_rank = tl.cumsum(tie.to(tl.int32), axis=0)            # 1-based among this block's ties
-        take = valid & ((k > t) | (tie & (tie_rank <= ties_left)))
-        ties_left -= tl.sum((tie & (tie_rank <= ties_left)).to(tl.int32), axis=0)
-        slot = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(out_row + slot, pp.to(tl.int64), mask=take)
-        written += tl.sum(take.to(tl.int32), axis=0)
+            above += tl.sum(((k > t) & (pp < n)).to(tl.int32), axis=0)
+        ties_left = want - above
+        written = tl.zeros([], tl.int32)
+        for p0 in range(0, P, BLOCK):
+            pp = p0 + tl.arange(0, BLOCK)
+            valid = pp < n
+            k = _key(tl.load(row + pp, mask=valid, other=float("-inf")))
+            tie = valid & (k == t)
+            tie_rank = tl.cumsum(tie.to(tl.int32), axis=0)            # 1-based among this block's ties
+            take = valid & ((k > t) | (tie & (tie_rank <= ties_left)))
+            ties_left -= tl.sum((tie & (tie_rank <= ties_left)).to(tl.int32), axis=0)
+            slot = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+            tl.store(out_row + slot, pp.to(tl.int64), mask=take)
+            written += tl.sum(take.to(tl.int32), axis=0)
     oo = tl.arange(0, OUT_P)
     tl.store(out_row + oo, tl.full([OUT_P], -1, tl.int64), mask=(oo >= written) & (oo < budget))
 
@@ -120,6 +138,8 @@ def launch_select_pages(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_p
     _page_scores_kernel[(B, Hkv, triton.cdiv(P, block_p))](
         q, lo, hi, n_pages, scores, q.stride(0), q.stride(1), lo.stride(0), lo.stride(1), lo.stride(2),
         scores.stride(0), scores.stride(1), P, G=Hq // Hkv, D=d, BLOCK_P=block_p, num_warps=4)
+    one = next_pow2(P) <= ONE_BLOCK_MAX
+    blk = next_pow2(P) if one else min(block, next_pow2(P))
     _select_kernel[(B, Hkv)](scores, n_pages, pages, scores.stride(0), scores.stride(1), pages.stride(0),
-                             pages.stride(1), P, budget, BLOCK=min(block, next_pow2(P)),
-                             OUT_P=next_pow2(max(budget, 1)), num_warps=4)
+                             pages.stride(1), P, budget, BLOCK=blk, OUT_P=next_pow2(max(budget, 1)), ONE_BLOCK=one,
+                             num_warps=max(4, min(16, blk // 512)) if one else 4)

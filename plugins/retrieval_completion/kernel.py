@@ -20,7 +20,13 @@ Per-row ranges (``N = n_prefill[b]``, ``L = seq_lens[b]``): mid ``[s0, m1)`` wit
   the offloaded decode's device rows); retrieved tokens read from the cache at their positions, or
   from a buffer of their own at the rows ``rows_ptr`` gives (``RET_ROWS``: the offloaded decode's
   hot-page cache).
-* ``_decode_merge``: grid ``(B, Hq)``. Merges the ``S`` partials, subtracts from the cache with the
+* ``_decode_partial_pages``: grid ``(B, Hkv, S)``. The page selector's tail on a GPU-resident cache:
+  one program takes a KV head's ``GROUP`` query heads together (each key and value row read once per
+  group; ``q Kᵀ`` and ``P V`` by ``tl.dot``) over the anchors and the tokens of the KV head's selected
+  pages (``pages [B, Hkv, NP]``, positions computed in the kernel), and the subtraction partials once
+  per KV head (the pages, and so the subtracted tokens, are the group's).
+* ``_decode_merge``: grid ``(B, Hq)``. Merges the ``S`` partials (subtraction partials per query head,
+  or per KV head with ``SUB_KV``), subtracts from the cache with the
   clamp, adds the completion weights ``exp(a_f + log b'_f - m)`` and normalises once. The
   completion term is skipped when the retrieved set covers the mid (``_use_completion``; the step
   is exact, as in the reference).
@@ -34,7 +40,8 @@ import triton.language as tl
 
 from ..triton_softmax import online_softmax_update
 
-__all__ = ["_completion_cache", "_mid_logits", "_decode_partial", "_decode_merge", "_use_completion"]
+__all__ = ["_completion_cache", "_mid_logits", "_decode_partial", "_decode_partial_pages", "_decode_merge",
+           "_use_completion"]
 
 
 @triton.jit
@@ -208,10 +215,84 @@ def _decode_partial(q_ptr, k_ptr, v_ptr, sl_ptr, npf_ptr, kr_ptr, vr_ptr, lpk_pt
 
 
 @triton.jit
+def _decode_partial_pages(q_ptr, k_ptr, v_ptr, sl_ptr, npf_ptr, lpk_ptr, shift_ptr, pages_ptr,
+                          pm_ptr, pl_ptr, pacc_ptr, psb_ptr, psa_ptr,
+                          s_kb, s_kh, s_kt, s_lb, s_lh, s_lt, s_pb, s_ph,
+                          HQ, HKV, D, F, NP, n_sink, n_tail, scale,
+                          GROUP: tl.constexpr, G_P: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
+                          D_P: tl.constexpr, F_P: tl.constexpr, BLOCK_K: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)
+    sp = tl.program_id(2)
+    n_split = tl.num_programs(2)
+    s0, m1 = _mid_range(npf_ptr, b, n_sink, n_tail)
+    L = tl.load(sl_ptr + b).to(tl.int32)
+    use_comp = _use_completion(s0, m1, NP, PAGE)
+    dd = tl.arange(0, D_P)
+    dm = dd < D
+    ff = tl.arange(0, F_P)
+    fm = ff < F
+    gg = tl.arange(0, G_P)
+    gm = gg < GROUP
+    rows = b * HQ + g * GROUP + gg                          # the group's query heads: rows of [B·Hq]
+    q = tl.load(q_ptr + rows[:, None] * D + dd[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
+    k_base = k_ptr + b * s_kb + g * s_kh
+    v_base = v_ptr + b * s_kb + g * s_kh
+    lpk_base = lpk_ptr + b * s_lb + g * s_lh
+    page_base = pages_ptr + b * s_pb + g * s_ph
+    shift = tl.load(shift_ptr + (b * HKV + g) * F + ff, mask=fm, other=0.0)
+
+    n_anchor = s0 + (L - m1)
+    n_items = n_anchor + NP * PAGE
+    chunk = tl.cdiv(tl.cdiv(n_items, n_split), BLOCK_K) * BLOCK_K
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, n_items)
+    m_i = tl.full([G_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_P], tl.float32)
+    acc = tl.zeros([G_P, D_P], tl.float32)
+    sub_b = tl.zeros([F_P], tl.float32)
+    sub_a = tl.zeros([F_P, D_P], tl.float32)
+    for j0 in range(lo, hi, BLOCK_K):
+        jj = j0 + tl.arange(0, BLOCK_K)
+        inb = jj < hi
+        is_anc = inb & (jj < n_anchor)
+        r = tl.where(inb & (jj >= n_anchor), jj - n_anchor, 0)
+        page = tl.load(page_base + r // PAGE, mask=inb & (jj >= n_anchor), other=-1)
+        pos = page * PAGE + r % PAGE
+        is_ret = inb & (jj >= n_anchor) & (page >= 0) & (pos >= s0) & (pos < m1)
+        ta = tl.where(jj < s0, jj, jj - s0 + m1)
+        tt = tl.where(is_ret, pos, tl.where(is_anc, ta, 0)).to(tl.int64)
+        valid = is_anc | is_ret
+        k = tl.load(k_base + tt[:, None] * s_kt + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
+        v = tl.load(v_base + tt[:, None] * s_kt + dd[None, :], mask=valid[:, None] & dm[None, :],
+                    other=0.0).to(tl.float32)
+        if PRECISION == "ieee":                              # fp32 inputs, or the interpreter (no bf16 dot)
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:                                                # bf16 / fp16 products are exact in fp32
+            s = tl.dot(q.to(k.dtype), tl.trans(k))           # [G_P, BLOCK_K]
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, AXIS=1, BASE2=False, PRECISION=PRECISION)
+        if use_comp:
+            lp = tl.load(lpk_base + tt[:, None] * s_lt + ff[None, :], mask=is_ret[:, None] & fm[None, :],
+                         other=float("-inf"))
+            w = tl.exp(lp - shift[None, :])                  # [BLOCK_K, F_P], 0 off the retrieved tokens
+            sub_b += tl.sum(w, axis=0)
+            sub_a += tl.dot(tl.trans(w), v, input_precision=PRECISION)
+    part = rows * n_split + sp
+    tl.store(pm_ptr + part, m_i, mask=gm)
+    tl.store(pl_ptr + part, l_i, mask=gm)
+    tl.store(pacc_ptr + part[:, None] * D + dd[None, :], acc, mask=gm[:, None] & dm[None, :])
+    if use_comp:
+        kv_part = (b * HKV + g) * n_split + sp
+        tl.store(psb_ptr + kv_part * F + ff, sub_b, mask=fm)
+        tl.store(psa_ptr + kv_part * F * D + ff[:, None] * D + dd[None, :], sub_a, mask=fm[:, None] & dm[None, :])
+
+
+@triton.jit
 def _decode_merge(npf_ptr, lpq_ptr, a_ptr, b_ptr, shift_ptr, pm_ptr, pl_ptr, pacc_ptr, psb_ptr, psa_ptr, out_ptr,
                   HQ, HKV, D, F, n_sink, n_tail, top_k, N_SPLIT,
                   GROUP: tl.constexpr, PAGE: tl.constexpr, D_P: tl.constexpr, F_P: tl.constexpr,
-                  S_P: tl.constexpr):
+                  S_P: tl.constexpr, SUB_KV: tl.constexpr = False):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     g = h // GROUP
@@ -238,8 +319,12 @@ def _decode_merge(npf_ptr, lpq_ptr, a_ptr, b_ptr, shift_ptr, pm_ptr, pl_ptr, pac
         sub_b = tl.zeros([F_P], tl.float32)
         a2 = tl.load(a_ptr + (b * HKV + g) * F * D + ff[:, None] * D + dd[None, :], mask=fm[:, None] & dm[None, :],
                      other=0.0)
+        if SUB_KV:
+            sub_row = b * HKV + g
+        else:
+            sub_row = row
         for sp in range(0, N_SPLIT):
-            pp = row * N_SPLIT + sp
+            pp = sub_row * N_SPLIT + sp
             sub_b += tl.load(psb_ptr + pp * F + ff, mask=fm, other=0.0)
             a2 -= tl.load(psa_ptr + pp * F * D + ff[:, None] * D + dd[None, :], mask=fm[:, None] & dm[None, :],
                           other=0.0)

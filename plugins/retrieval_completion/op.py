@@ -20,10 +20,10 @@ from macattn.core.validation import check_int
 
 from ..page_select.op import select_pages
 from .checks import check_completion_cache_inputs, check_retrieval_completion_inputs, resolve_scale
-from .kernel import _completion_cache, _decode_merge, _decode_partial, _mid_logits
+from .kernel import _completion_cache, _decode_merge, _decode_partial, _decode_partial_pages, _mid_logits
 
 __all__ = ["completion_cache_triton", "retrieval_completion_triton", "mid_topk_triton", "page_retrieval_completion_triton",
-           "decode_retrieved_triton", "select_mid_pages", "mid_page_count", "page_positions"]
+           "decode_retrieved_triton", "decode_pages_triton", "select_mid_pages", "mid_page_count", "page_positions"]
 
 _alloc = torch.empty   # the tests swap in a NaN-filling allocator to check every output element is written
 
@@ -31,12 +31,15 @@ _alloc = torch.empty   # the tests swap in a NaN-filling allocator to check ever
 # each program gathers BLOCK_K rows per iteration; splits per (request, query head) are chosen so the
 # grid covers about WAVES x the SMs, with at least MIN_ITEMS items per split
 DECODE_LAUNCH = dict(BLOCK_K=32, num_warps=8, WAVES=2, MIN_ITEMS=128)
+# ``_decode_partial_pages`` (one program per KV head's query group): BLOCK_K rows per ``tl.dot``
+PAGES_LAUNCH = dict(BLOCK_K=64, num_warps=4, WAVES=2, MIN_ITEMS=128)
 
 
-def num_splits(rows: int, items: int, device) -> int:
-    """Splits per query head for ``rows = B·Hq`` heads of about ``items`` anchors + retrieved tokens."""
-    want = -(-DECODE_LAUNCH["WAVES"] * num_sms(device) // max(rows, 1))
-    return max(1, min(want, items // DECODE_LAUNCH["MIN_ITEMS"], 64))
+def num_splits(rows: int, items: int, device, launch: dict = DECODE_LAUNCH) -> int:
+    """Splits per row for ``rows`` programs (``B·Hq`` query heads, or ``B·Hkv`` groups) of about ``items``
+    anchors + retrieved tokens each."""
+    want = -(-launch["WAVES"] * num_sms(device) // max(rows, 1))
+    return max(1, min(want, items // launch["MIN_ITEMS"], 64))
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -162,10 +165,46 @@ def page_retrieval_completion_triton(q, k_cache, v_cache, seq_lens, n_prefill, l
     if B == 0:
         return out
     k, v = _same_strides(k_cache, v_cache)
+    # no more pages than a row can select (a larger budget only adds padding for the tail to skip)
+    budget_pages = min(budget_pages, max(0, page_lo.shape[2] - n_sink // page_size))
     pages = select_mid_pages(q.contiguous(), page_lo, page_hi, n_prefill, n_sink, n_tail, page_size, budget_pages)
-    return decode_retrieved_triton(q, k, v, seq_lens, n_prefill, log_phi_q, comp_A, comp_b, comp_shift,
-                                   page_positions(pages, page_size), retrieved=(k, v, log_phi_k), n_sink=n_sink,
-                                   n_tail=n_tail, top_k=budget_pages, page_size=page_size, scale=scale, out=out)
+    return decode_pages_triton(q, k, v, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A, comp_b, comp_shift, pages,
+                               n_sink=n_sink, n_tail=n_tail, page_size=page_size, scale=scale, out=out)
+
+
+def decode_pages_triton(q, k, v, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A, comp_b, comp_shift,
+                        pages, *, n_sink: int, n_tail: int, page_size: int, scale: float,
+                        out: torch.Tensor) -> torch.Tensor:
+    """The GPU-resident page step's tail (``_decode_partial_pages`` + ``_decode_merge``): exact attention over
+    the anchors and every token of ``pages [B, Hkv, NP]`` (int64 absolute page indices, ``-1`` padding;
+    tokens outside the row's mid skipped), the completion of the rest, one normalisation. ``k / v
+    [B, Hkv, T, d]`` one dtype and strides, ``log_phi_k [B, Hkv, T, F]`` fp32; the others as
+    ``decode_retrieved_triton``; reference ``decode_retrieved_step`` over ``page_positions(pages)``."""
+    B, Hq, d = q.shape
+    Hkv = k.shape[1]
+    F = log_phi_q.shape[2]
+    group = Hq // Hkv
+    dev = q.device
+    lpk = _unit_last_stride(log_phi_k)
+    q, lpq, comp_A, comp_b, comp_shift = (t.contiguous() for t in (q, log_phi_q, comp_A, comp_b, comp_shift))
+    seq_lens, n_prefill, pages = seq_lens.contiguous(), n_prefill.contiguous(), pages.contiguous()
+    NP = pages.shape[2]
+    n_split = num_splits(B * Hkv, NP * page_size + n_sink + n_tail, dev, PAGES_LAUNCH)
+    f32 = dict(dtype=torch.float32, device=dev)
+    pm, pl = _alloc(B, Hq, n_split, **f32), _alloc(B, Hq, n_split, **f32)
+    pacc = _alloc(B, Hq, n_split, d, **f32)
+    # written only for rows that use the completion (the merge reads them only there); per KV head
+    psb, psa = _alloc(B, Hkv, n_split, F, **f32), _alloc(B, Hkv, n_split, F, d, **f32)
+    exact = q.dtype == torch.float32 or interpreting()
+    _decode_partial_pages[(B, Hkv, n_split)](
+        q, k, v, seq_lens, n_prefill, lpk, comp_shift, pages, pm, pl, pacc, psb, psa, *k.stride()[:3],
+        *lpk.stride()[:3], *pages.stride()[:2], Hq, Hkv, d, F, NP, int(n_sink), int(n_tail), scale, GROUP=group,
+        G_P=_pow2(group), PAGE=int(page_size), PRECISION="ieee" if exact else "tf32", D_P=_pow2(d), F_P=_pow2(F),
+        BLOCK_K=PAGES_LAUNCH["BLOCK_K"], num_warps=PAGES_LAUNCH["num_warps"])
+    _decode_merge[(B, Hq)](n_prefill, lpq, comp_A, comp_b, comp_shift, pm, pl, pacc, psb, psa, out, Hq, Hkv, d, F,
+                           int(n_sink), int(n_tail), NP, n_split, GROUP=group, PAGE=int(page_size),
+                           D_P=_pow2(d), F_P=_pow2(F), S_P=_pow2(n_split, 2), SUB_KV=True, num_warps=4)
+    return out
 
 
 def _same_strides(k_cache, v_cache):

@@ -17,6 +17,19 @@ from macattn.methods.completion.reference import page_bounds, page_upper_bounds,
 pytestmark = GPU_MARKS
 
 
+@pytest.fixture(autouse=True, params=["registers", "streamed"])
+def select_path(request, monkeypatch):
+    """Every test on both paths of ``_select_kernel``: the row held in registers, and streamed per pass
+    (``ONE_BLOCK_MAX = 0``; its 1024-page blocks are cut to 8 so that the rows here span several)."""
+    from macattn.plugins.page_select import kernel, op
+
+    if request.param == "streamed":
+        monkeypatch.setattr(kernel, "ONE_BLOCK_MAX", 0)
+        monkeypatch.setattr(op, "launch_select_pages",
+                            lambda *a, **kw: kernel.launch_select_pages(*a, **{**kw, "block": 8}))
+    return request.param
+
+
 def _problem(B, Hq, Hkv, T, d, page, seed):
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(B, Hkv, T, d, generator=g).to(torch.bfloat16)
