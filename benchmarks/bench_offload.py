@@ -224,20 +224,30 @@ def page_op_stages(q, k, v, seq_lens, n_prefill, lpq, lpk, comp, lo, hi, page: i
                    reps: int) -> dict:
     """µs of the GPU-resident page op's stages (CUDA-graph replays, each alone): the page select (bounds +
     radix select) and the tail over the selected pages (exact attention per KV head's query group +
-    completion, ``decode_pages_triton``)."""
+    completion, ``decode_pages_triton``); for comparison the same tail as the per-query-head kernel the
+    offloaded decode uses (pages expanded to positions + ``decode_retrieved_triton``: the op's tail before
+    the grouped kernel)."""
     from cuda_timing import time_graph
-    from macattn.plugins.retrieval_completion.op import decode_pages_triton, select_mid_pages
+    from macattn.plugins.retrieval_completion.op import (decode_pages_triton, decode_retrieved_triton, page_positions,
+                                                        select_mid_pages)
 
     pages = select_mid_pages(q, lo, hi, n_prefill, N_SINK, N_TAIL, page, budget_pages)
     out = torch.empty_like(q)
+    scale = 1.0 / math.sqrt(d)
 
     def tail():
         decode_pages_triton(q, k, v, seq_lens, n_prefill, lpq, lpk, *comp, pages, n_sink=N_SINK, n_tail=N_TAIL,
-                            page_size=page, scale=1.0 / math.sqrt(d), out=out)
+                            page_size=page, scale=scale, out=out)
+
+    def tail_per_query_head():
+        decode_retrieved_triton(q, k, v, seq_lens, n_prefill, lpq, *comp, page_positions(pages, page),
+                                retrieved=(k, v, lpk), n_sink=N_SINK, n_tail=N_TAIL, top_k=budget_pages,
+                                page_size=page, scale=scale, out=out)
 
     return {"select_pages": time_graph(lambda: select_mid_pages(q, lo, hi, n_prefill, N_SINK, N_TAIL, page,
                                                                 budget_pages), reps),
-            "decode_tail": time_graph(tail, reps)}
+            "decode_tail": time_graph(tail, reps),
+            "decode_tail_per_query_head": time_graph(tail_per_query_head, reps)}
 
 
 def per_layer(st, sh, B, T, cfg, dev, dtype, data, reps, fi_ok):
