@@ -220,8 +220,16 @@ def time_full_offload(host_k, host_v, sh, B, T, dev, dtype, reps, dry):
     return statistics.median(graph_replay_us(graph, reps, warmup=1))
 
 
+# ``--sweep``: launch alternatives of the page op's tail (``op.PAGES_LAUNCH``); the first is the tail's
+# first version (BLOCK_K=64 with 4 warps spills 812 bytes per thread, one split loaded at a time in the merge)
+TAIL_SWEEP = [dict(BLOCK_K=bk, num_warps=nw, WAVES=2, MIN_ITEMS=mi, MERGE_UNROLL=u, MERGE_WARPS=mw)
+              for bk, nw, mi, u, mw in [(64, 4, 128, 1, 4), (32, 8, 128, 1, 4), (32, 8, 128, 4, 8), (32, 8, 256, 4, 8),
+                                        (32, 8, 512, 4, 8), (32, 8, 64, 4, 8), (16, 4, 128, 4, 8), (64, 8, 128, 4, 8),
+                                        (32, 8, 128, 2, 8)]]
+
+
 def page_op_stages(q, k, v, seq_lens, n_prefill, lpq, lpk, comp, lo, hi, page: int, budget_pages: int, d: int,
-                   reps: int) -> dict:
+                   reps: int, sweep: bool = False) -> dict:
     """µs of the GPU-resident page op's stages (CUDA-graph replays, each alone): the page select (bounds +
     radix select) and the tail over the selected pages (exact attention per KV head's query group +
     completion, ``decode_pages_triton``); for comparison the same tail as the per-query-head kernel the
@@ -244,13 +252,24 @@ def page_op_stages(q, k, v, seq_lens, n_prefill, lpq, lpk, comp, lo, hi, page: i
                                 retrieved=(k, v, lpk), n_sink=N_SINK, n_tail=N_TAIL, top_k=budget_pages,
                                 page_size=page, scale=scale, out=out)
 
-    return {"select_pages": time_graph(lambda: select_mid_pages(q, lo, hi, n_prefill, N_SINK, N_TAIL, page,
-                                                                budget_pages), reps),
-            "decode_tail": time_graph(tail, reps),
-            "decode_tail_per_query_head": time_graph(tail_per_query_head, reps)}
+    res = {"select_pages": time_graph(lambda: select_mid_pages(q, lo, hi, n_prefill, N_SINK, N_TAIL, page,
+                                                               budget_pages), reps),
+           "decode_tail": time_graph(tail, reps),
+           "decode_tail_per_query_head": time_graph(tail_per_query_head, reps)}
+    if sweep:
+        from macattn.plugins.retrieval_completion import op
+
+        default, res["tail_sweep"] = op.PAGES_LAUNCH, []
+        try:
+            for cfg in TAIL_SWEEP:
+                op.PAGES_LAUNCH = cfg
+                res["tail_sweep"].append({**cfg, "us": time_graph(tail, reps)})
+        finally:
+            op.PAGES_LAUNCH = default
+    return res
 
 
-def per_layer(st, sh, B, T, cfg, dev, dtype, data, reps, fi_ok):
+def per_layer(st, sh, B, T, cfg, dev, dtype, data, reps, fi_ok, sweep=False):
     """One layer with its KV on the GPU: the resident page op, the exhaustive op, FlashInfer; the offloaded
     step's output of that layer vs the resident op's (same data, bounds, pages)."""
     k, v, lpk = data
@@ -277,9 +296,9 @@ def per_layer(st, sh, B, T, cfg, dev, dtype, data, reps, fi_ok):
 
         res["resident_page_us"] = time_graph(page_op, reps)
         res["resident_exhaustive_us"] = time_graph(exh_op, reps)
-        try:        # where the page op's time goes: its three stages, each captured alone
+        try:        # where the page op's time goes: its stages, each captured alone
             res["resident_page_stages_us"] = page_op_stages(q, kk, vv, sl, npf, lpq, lp, comp, lo, hi, cfg.page_size,
-                                                            K, sh.D, reps)
+                                                            K, sh.D, reps, sweep)
         except Exception as e:  # noqa: BLE001  (recorded; the whole-op figure still counts)
             res["resident_page_stages_error"] = f"{type(e).__name__}: {e}"[:300]
         if fi_ok:
@@ -347,8 +366,10 @@ def run_point(sh, B, T, args, dev, dtype) -> dict:
         st = build(sh, cfg, o, B, T, dev, dtype, host, completion=completion, write_host=first)
         if first:
             row.update(per_layer(st, sh, B, T, cfg, dev, dtype, layer_data(sh, T, page, 0, dev, dtype), args.reps,
-                                 not args.no_flashinfer))
+                                 not args.no_flashinfer, args.sweep))
             del st
+            if args.resident_only:
+                return row
             st = build(sh, cfg, o, B, T, dev, dtype, host, completion=completion, write_host=False)  # fresh caches
         r = time_offload(st, sh, B, T, dev, dtype, args.steps, args.q_corr, args.dry_run)
         row[name] = r
@@ -382,6 +403,9 @@ def main(argv=None) -> int:
     ap.add_argument("--full-reps", type=int, default=3, help="timed steps of full attention over offloaded KV")
     ap.add_argument("--reps", type=int, default=50, help="replays per per-layer figure")
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time the page op tail's launch alternatives (TAIL_SWEEP)")
+    ap.add_argument("--resident-only", action="store_true",
+                    help="only the per-layer figures with the KV on the GPU (no offloaded steps)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, the same code (no timing claims)")
     ap.add_argument("--out", default="benchmarks/results/bench_offload_h100.json")
     args = ap.parse_args(argv)
@@ -404,6 +428,10 @@ def main(argv=None) -> int:
         f"{'nopf ms':>8} {'topk ms':>8} {'full-off ms':>11} {'x full-off':>10} {'page us':>8} {'FI us':>7} {'x FI':>5} "
         f"{'dev/KV':>6}")
     for r in rows:
+        if "offload" not in r:          # --resident-only
+            log(f"{r['batch']:>2} {r['context']:>7} {r['pages_per_kv_head']:>5}   page op {r.get('resident_page_us', float('nan')):.1f} us"
+                f"  FlashInfer {r.get('flashinfer_us', float('nan')):.1f} us  stages {r.get('resident_page_stages_us')}")
+            continue
         o = r["offload"]
         log(f"{r['batch']:>2} {r['context']:>7} {r['pages_per_kv_head']:>5} {o['step_us'] / 1e3:>10.2f} "
             f"{o['tokens_per_s']:>8.1f} {o['hit_rate']:>5.2f} {o['bytes_fetched_per_step'] / 2**20:>9.1f} "

@@ -24,14 +24,29 @@ ONE_BLOCK_MAX = 16384          # pages per row the select kernel holds in regist
 
 
 @triton.jit
+def _row_pages(n_ptr, b, n_sink, n_tail, first, MID_PAGE: tl.constexpr):
+    """Valid pages of row ``b``: ``n_ptr[b]`` itself, or (``MID_PAGE`` = the page size) the pages
+    overlapping the row's mid ``[s0, m1)`` from ``n_ptr[b]`` = its prefill length, counted from page
+    ``first`` (every such page holds mid tokens; 0 for an empty mid: the rule of ``_use_completion`` in
+    ``retrieval_completion/kernel.py`` and of the reference's ``mid_pages``)."""
+    n = tl.load(n_ptr + b).to(tl.int32)
+    if MID_PAGE > 0:
+        s0 = tl.minimum(n_sink, n)
+        m1 = tl.maximum(s0, n - n_tail)
+        n = tl.where(m1 > s0, (m1 + MID_PAGE - 1) // MID_PAGE - first, 0)
+    return n
+
+
+@triton.jit
 def _page_scores_kernel(q_ptr, lo_ptr, hi_ptr, n_pages_ptr, scores_ptr,
                         stride_qb, stride_qh, stride_lb, stride_lh, stride_lp, stride_sb, stride_sh,
-                        P, G: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr):
+                        P, n_sink, n_tail, first, G: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
+                        MID_PAGE: tl.constexpr):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     pp = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     dd = tl.arange(0, D)
-    n = tl.load(n_pages_ptr + b)
+    n = _row_pages(n_pages_ptr, b, n_sink, n_tail, first, MID_PAGE)
     inb = pp < P
     off = b.to(tl.int64) * stride_lb + kh * stride_lh + pp[:, None].to(tl.int64) * stride_lp + dd[None, :]
     lo = tl.load(lo_ptr + off, mask=inb[:, None], other=0.0).to(tl.float32)
@@ -55,11 +70,12 @@ def _key(x):
 
 @triton.jit
 def _select_kernel(scores_ptr, n_pages_ptr, pages_ptr, stride_sb, stride_sh, stride_pb, stride_ph,
-                   P, budget, BLOCK: tl.constexpr, OUT_P: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                   P, budget, n_sink, n_tail, first, BLOCK: tl.constexpr, OUT_P: tl.constexpr,
+                   ONE_BLOCK: tl.constexpr, MID_PAGE: tl.constexpr):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     row = scores_ptr + b.to(tl.int64) * stride_sb + kh * stride_sh
-    n = tl.minimum(tl.load(n_pages_ptr + b).to(tl.int32), P)
+    n = tl.minimum(_row_pages(n_pages_ptr, b, n_sink, n_tail, first, MID_PAGE), P)
     want = tl.minimum(budget, n)
     out_row = pages_ptr + b.to(tl.int64) * stride_pb + kh * stride_ph
     if ONE_BLOCK:                                   # the whole row in registers: one load, 32 counts
@@ -73,7 +89,7 @@ def _select_kernel(scores_ptr, n_pages_ptr, pages_ptr, stride_sb, stride_sh, str
         ties_left = want - tl.sum((k > t).to(tl.int32), axis=0)
         tie = k == t
         take = (k > t) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= ties_left))
-        tl.store(out_row + tl.cumsum(take.to(tl.int32), axis=0) - 1, pp.to(tl.int64), mask=take)
+        tl.store(out_row + tl.cumsum(take.to(tl.int32), axis=0) - 1, pp.to(tl.int64) + first, mask=take)
         written = tl.sum(take.to(tl.int32), axis=0)
     else:
         # the want-th largest key, bit by bit from the top
@@ -103,7 +119,7 @@ def _select_kernel(scores_ptr, n_pages_ptr, pages_ptr, stride_sb, stride_sh, str
             take = valid & ((k > t) | (tie & (tie_rank <= ties_left)))
             ties_left -= tl.sum((tie & (tie_rank <= ties_left)).to(tl.int32), axis=0)
             slot = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            tl.store(out_row + slot, pp.to(tl.int64), mask=take)
+            tl.store(out_row + slot, pp.to(tl.int64) + first, mask=take)
             written += tl.sum(take.to(tl.int32), axis=0)
     oo = tl.arange(0, OUT_P)
     tl.store(out_row + oo, tl.full([OUT_P], -1, tl.int64), mask=(oo >= written) & (oo < budget))
@@ -131,15 +147,22 @@ def check_select_inputs(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_p
 
 
 def launch_select_pages(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_pages: torch.Tensor, budget: int, *,
-                        scores: torch.Tensor, pages: torch.Tensor, block_p: int = 64, block: int = 1024) -> None:
-    """Both kernels: ``scores [B, Hkv, P]`` fp32 (scratch), ``pages [B, Hkv, budget]`` int64 (out)."""
+                        scores: torch.Tensor, pages: torch.Tensor, block_p: int = 64, block: int = 1024,
+                        mid: tuple[int, int, int, int] | None = None) -> None:
+    """Both kernels: ``scores [B, Hkv, P]`` fp32 (scratch), ``pages [B, Hkv, budget]`` int64 (out).
+    ``mid = (n_sink, n_tail, page_size, first)``: ``n_pages`` holds the rows' prefill lengths, the valid
+    pages are those overlapping each row's mid counted from page ``first`` (``lo`` / ``hi`` start there),
+    and the page indices written are absolute (``+ first``)."""
     B, Hq, d = q.shape
     Hkv, P = lo.shape[1], lo.shape[2]
+    n_sink, n_tail, mid_page, first = mid if mid is not None else (0, 0, 0, 0)
     _page_scores_kernel[(B, Hkv, triton.cdiv(P, block_p))](
         q, lo, hi, n_pages, scores, q.stride(0), q.stride(1), lo.stride(0), lo.stride(1), lo.stride(2),
-        scores.stride(0), scores.stride(1), P, G=Hq // Hkv, D=d, BLOCK_P=block_p, num_warps=4)
+        scores.stride(0), scores.stride(1), P, n_sink, n_tail, first, G=Hq // Hkv, D=d, BLOCK_P=block_p,
+        MID_PAGE=mid_page, num_warps=4)
     one = next_pow2(P) <= ONE_BLOCK_MAX
     blk = next_pow2(P) if one else min(block, next_pow2(P))
     _select_kernel[(B, Hkv)](scores, n_pages, pages, scores.stride(0), scores.stride(1), pages.stride(0),
-                             pages.stride(1), P, budget, BLOCK=blk, OUT_P=next_pow2(max(budget, 1)), ONE_BLOCK=one,
+                             pages.stride(1), P, budget, n_sink, n_tail, first, BLOCK=blk,
+                             OUT_P=next_pow2(max(budget, 1)), ONE_BLOCK=one, MID_PAGE=mid_page,
                              num_warps=max(4, min(16, blk // 512)) if one else 4)

@@ -9,10 +9,11 @@ __all__ = ["select_pages"]
 
 
 def select_pages(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_pages: torch.Tensor, budget: int,
-                 *, out: torch.Tensor | None = None) -> torch.Tensor:
+                 *, out: torch.Tensor | None = None, mid: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """``macattn.methods.completion.reference.select_pages_reference`` on the GPU: ``q [B, Hq, d]``,
     ``lo / hi [B, Hkv, P, d]``, ``n_pages [B]``, ``budget`` -> ``[B, Hkv, budget]`` int64 (ascending
-    page indices, ``-1`` past the valid pages). No host synchronisation (CUDA-graph capturable)."""
+    page indices, ``-1`` past the valid pages). No host synchronisation (CUDA-graph capturable).
+    ``mid``: see ``launch_select_pages`` (``n_pages`` then holds prefill lengths)."""
     check_select_inputs(q, lo, hi, n_pages, budget)
     B, Hkv, P = lo.shape[0], lo.shape[1], lo.shape[2]
     pages = out if out is not None else torch.empty(B, Hkv, budget, dtype=torch.int64, device=q.device)
@@ -24,5 +25,5 @@ def select_pages(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_pages: t
     if P == 0:
         return pages.fill_(-1)
     scores = torch.empty(B, Hkv, P, dtype=torch.float32, device=q.device)
-    launch_select_pages(q, lo, hi, n_pages, budget, scores=scores, pages=pages)
+    launch_select_pages(q, lo, hi, n_pages, budget, scores=scores, pages=pages, mid=mid)
     return pages

@@ -26,7 +26,7 @@ Per-row ranges (``N = n_prefill[b]``, ``L = seq_lens[b]``): mid ``[s0, m1)`` wit
   pages (``pages [B, Hkv, NP]``, positions computed in the kernel), and the subtraction partials once
   per KV head (the pages, and so the subtracted tokens, are the group's).
 * ``_decode_merge``: grid ``(B, Hq)``. Merges the ``S`` partials (subtraction partials per query head,
-  or per KV head with ``SUB_KV``), subtracts from the cache with the
+  or per KV head with ``SUB_KV``; ``UNROLL`` of them loaded at a time), subtracts from the cache with the
   clamp, adds the completion weights ``exp(a_f + log b'_f - m)`` and normalises once. The
   completion term is skipped when the retrieved set covers the mid (``_use_completion``; the step
   is exact, as in the reference).
@@ -292,7 +292,7 @@ def _decode_partial_pages(q_ptr, k_ptr, v_ptr, sl_ptr, npf_ptr, lpk_ptr, shift_p
 def _decode_merge(npf_ptr, lpq_ptr, a_ptr, b_ptr, shift_ptr, pm_ptr, pl_ptr, pacc_ptr, psb_ptr, psa_ptr, out_ptr,
                   HQ, HKV, D, F, n_sink, n_tail, top_k, N_SPLIT,
                   GROUP: tl.constexpr, PAGE: tl.constexpr, D_P: tl.constexpr, F_P: tl.constexpr,
-                  S_P: tl.constexpr, SUB_KV: tl.constexpr = False):
+                  S_P: tl.constexpr, SUB_KV: tl.constexpr = False, UNROLL: tl.constexpr = 1):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     g = h // GROUP
@@ -323,11 +323,14 @@ def _decode_merge(npf_ptr, lpq_ptr, a_ptr, b_ptr, shift_ptr, pm_ptr, pl_ptr, pac
             sub_row = b * HKV + g
         else:
             sub_row = row
-        for sp in range(0, N_SPLIT):
-            pp = sub_row * N_SPLIT + sp
-            sub_b += tl.load(psb_ptr + pp * F + ff, mask=fm, other=0.0)
-            a2 -= tl.load(psa_ptr + pp * F * D + ff[:, None] * D + dd[None, :], mask=fm[:, None] & dm[None, :],
-                          other=0.0)
+        for sp0 in range(0, N_SPLIT, UNROLL):
+            for u in tl.static_range(UNROLL):                # UNROLL independent loads in flight, not a chain
+                sp = sp0 + u
+                pp = sub_row * N_SPLIT + sp
+                fok = fm & ((ff * 0 + sp) < N_SPLIT)         # a vector mask (scalar & vector: int64 in the interpreter)
+                sub_b += tl.load(psb_ptr + pp * F + ff, mask=fok, other=0.0)
+                a2 -= tl.load(psa_ptr + pp * F * D + ff[:, None] * D + dd[None, :], mask=fok[:, None] & dm[None, :],
+                              other=0.0)
         cb = tl.load(b_ptr + (b * HKV + g) * F + ff, mask=fm, other=0.0)
         b2 = cb - sub_b
         live = fm & (b2 > 0)                                 # the clamp: b' <= 0 drops the feature (A' = 0)

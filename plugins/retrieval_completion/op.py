@@ -23,7 +23,7 @@ from .checks import check_completion_cache_inputs, check_retrieval_completion_in
 from .kernel import _completion_cache, _decode_merge, _decode_partial, _decode_partial_pages, _mid_logits
 
 __all__ = ["completion_cache_triton", "retrieval_completion_triton", "mid_topk_triton", "page_retrieval_completion_triton",
-           "decode_retrieved_triton", "decode_pages_triton", "select_mid_pages", "mid_page_count", "page_positions"]
+           "decode_retrieved_triton", "decode_pages_triton", "select_mid_pages", "page_positions"]
 
 _alloc = torch.empty   # the tests swap in a NaN-filling allocator to check every output element is written
 
@@ -31,8 +31,10 @@ _alloc = torch.empty   # the tests swap in a NaN-filling allocator to check ever
 # each program gathers BLOCK_K rows per iteration; splits per (request, query head) are chosen so the
 # grid covers about WAVES x the SMs, with at least MIN_ITEMS items per split
 DECODE_LAUNCH = dict(BLOCK_K=32, num_warps=8, WAVES=2, MIN_ITEMS=128)
-# ``_decode_partial_pages`` (one program per KV head's query group): BLOCK_K rows per ``tl.dot``
-PAGES_LAUNCH = dict(BLOCK_K=64, num_warps=4, WAVES=2, MIN_ITEMS=128)
+# ``_decode_partial_pages`` (one program per KV head's query group): BLOCK_K rows per ``tl.dot`` (BLOCK_K=32
+# with 8 warps is the largest tile ptxas fits in 255 registers without spilling: 218); its merge loads
+# MERGE_UNROLL splits' subtraction partials at a time with MERGE_WARPS warps
+PAGES_LAUNCH = dict(BLOCK_K=32, num_warps=8, WAVES=2, MIN_ITEMS=128, MERGE_UNROLL=4, MERGE_WARPS=8)
 
 
 def num_splits(rows: int, items: int, device, launch: dict = DECODE_LAUNCH) -> int:
@@ -109,18 +111,6 @@ def retrieval_completion_triton(q, k_cache, v_cache, seq_lens, n_prefill, log_ph
                                    scale=scale, out=out)
 
 
-def mid_page_count(n_prefill: torch.Tensor, n_sink: int, n_tail: int, page_size: int) -> torch.Tensor:
-    """``[B]`` int64 pages (of ``page_size`` tokens on absolute positions) overlapping each row's mid
-    ``[s0, m1)``, counted from page ``n_sink // page_size`` (every such page holds mid tokens; 0 for an
-    empty mid). The rule ``_use_completion`` (kernel) and the reference
-    (``macattn.methods.completion.reference.mid_pages``) apply too. Device ops, no host sync."""
-    n = n_prefill.to(torch.int64)
-    s0 = n.clamp(max=n_sink)
-    m1 = torch.maximum(s0, n - n_tail)
-    cnt = (m1 + page_size - 1) // page_size - n_sink // page_size
-    return torch.where(m1 > s0, cnt, torch.zeros_like(cnt))
-
-
 def select_mid_pages(q, page_lo, page_hi, n_prefill, n_sink: int, n_tail: int, page_size: int, budget: int, *,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """The best ``budget`` mid pages per KV head (``macattn.plugins.page_select``'s kernels over the pages
@@ -133,9 +123,9 @@ def select_mid_pages(q, page_lo, page_hi, n_prefill, n_sink: int, n_tail: int, p
     pages = out if out is not None else torch.empty(B, Hkv, budget, dtype=torch.int64, device=q.device)
     if p0 >= P:
         return pages.fill_(-1)
-    n_pages = mid_page_count(n_prefill, n_sink, n_tail, page_size)
-    select_pages(q, page_lo[:, :, p0:], page_hi[:, :, p0:], n_pages, budget, out=pages)
-    return pages.add_((pages >= 0).to(torch.int64) * p0)
+    # the mid's page count and the absolute indices in the kernels (page_select's _row_pages): no extra launches
+    return select_pages(q, page_lo[:, :, p0:], page_hi[:, :, p0:], n_prefill, budget, out=pages,
+                        mid=(n_sink, n_tail, page_size, p0))
 
 
 def page_positions(pages: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -203,7 +193,8 @@ def decode_pages_triton(q, k, v, seq_lens, n_prefill, log_phi_q, log_phi_k, comp
         BLOCK_K=PAGES_LAUNCH["BLOCK_K"], num_warps=PAGES_LAUNCH["num_warps"])
     _decode_merge[(B, Hq)](n_prefill, lpq, comp_A, comp_b, comp_shift, pm, pl, pacc, psb, psa, out, Hq, Hkv, d, F,
                            int(n_sink), int(n_tail), NP, n_split, GROUP=group, PAGE=int(page_size),
-                           D_P=_pow2(d), F_P=_pow2(F), S_P=_pow2(n_split, 2), SUB_KV=True, num_warps=4)
+                           D_P=_pow2(d), F_P=_pow2(F), S_P=_pow2(n_split, 2), SUB_KV=True,
+                           UNROLL=PAGES_LAUNCH["MERGE_UNROLL"], num_warps=PAGES_LAUNCH["MERGE_WARPS"])
     return out
 
 
