@@ -31,10 +31,10 @@ _alloc = torch.empty   # the tests swap in a NaN-filling allocator to check ever
 # each program gathers BLOCK_K rows per iteration; splits per (request, query head) are chosen so the
 # grid covers about WAVES x the SMs, with at least MIN_ITEMS items per split
 DECODE_LAUNCH = dict(BLOCK_K=32, num_warps=8, WAVES=2, MIN_ITEMS=128)
-# ``_decode_partial_pages`` (one program per KV head's query group): BLOCK_K rows per ``tl.dot`` (BLOCK_K=32
-# with 8 warps is the largest tile ptxas fits in 255 registers without spilling: 218); its merge loads
-# MERGE_UNROLL splits' subtraction partials at a time with MERGE_WARPS warps
-PAGES_LAUNCH = dict(BLOCK_K=32, num_warps=8, WAVES=2, MIN_ITEMS=128, MERGE_UNROLL=4, MERGE_WARPS=8)
+# ``_decode_partial_pages`` (one program per KV head's query group): BLOCK_K rows per ``tl.dot``; its merge
+# loads MERGE_UNROLL splits' subtraction partials at a time with MERGE_WARPS warps. Chosen by
+# ``bench_offload.py --sweep`` on an H100 (1 x 128K, 2 %: 42 us; 64 x 4 warps with one split at a time: 104)
+PAGES_LAUNCH = dict(BLOCK_K=64, num_warps=8, WAVES=2, MIN_ITEMS=128, MERGE_UNROLL=4, MERGE_WARPS=8)
 
 
 def num_splits(rows: int, items: int, device, launch: dict = DECODE_LAUNCH) -> int:

@@ -118,7 +118,7 @@ _KILLED_WORKER = textwrap.dedent("""
         runner = ModelRunner.from_hf(tp_model("llama"), MAC, runtime_config=rc)
         pids = [p.pid for p in runner.engine.executor.group.procs]
         print(*pids, flush=True)
-        gen = runner.generate(_prompts(), max_new_tokens=400, streaming=True)
+        gen = runner.generate(_prompts(), max_new_tokens=200, streaming=True)
         for _ in range(3):
             next(gen)
         os.kill(pids[0], signal.SIGKILL)
