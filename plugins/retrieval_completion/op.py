@@ -4,9 +4,11 @@
 
 A decode step is four launches and no host sync (CUDA-graph capturable): ``_mid_logits``,
 ``torch.topk`` over them (``k = min(top_k, T)``, one row per query head), ``_decode_partial``
-(split-K over anchors + retrieved tokens) and ``_decode_merge``. The page variant
-(``page_retrieval_completion_triton``) selects pages with ``macattn.plugins.page_select`` instead;
-both end in ``decode_retrieved_triton`` (so does the offloaded decode, over its hot-page cache).
+(split-K over anchors + retrieved tokens, one program per query head) and ``_decode_merge``: the tail
+``decode_retrieved_triton``, which the offloaded decode shares over its hot-page cache. The page variant
+(``page_retrieval_completion_triton``) selects pages with ``macattn.plugins.page_select`` (two launches)
+and ends in ``decode_pages_triton``: ``_decode_partial_pages`` (one program per KV head's query group over
+its pages) and the same merge.
 Values of ``seq_lens`` / ``n_prefill`` are not range-checked here (that would sync).
 """
 from __future__ import annotations

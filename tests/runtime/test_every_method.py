@@ -67,3 +67,32 @@ def test_every_method_equals_the_reference_through_the_engine(name):
     plain = tiny_model("llama", seed=4)
     assert got == [_reference(plain, p) for p in ps]
     assert engine.method.name == name and engine.slot_states.num_free == 2
+
+
+def test_register_adds_a_method_every_surface_builds_by_name(monkeypatch):
+    """``registry.register``: a method defined outside the package (a benchmark's peer) is built by name by
+    the engine (and by every tensor-parallel rank, whose process imports the registering module); one
+    name, one class."""
+    from macattn.methods import registry
+    from macattn.methods.full.backend import FullAttention
+
+    monkeypatch.setattr(registry, "METHODS", dict(registry.METHODS))
+    monkeypatch.setattr(registry, "ATTENTION_METHODS", registry.ATTENTION_METHODS)
+
+    class Mine(FullAttention):
+        name = "mine"
+
+    class Other(FullAttention):
+        name = "mine"
+
+    assert registry.register(Mine) is Mine and registry.register(Mine) is Mine      # idempotent
+    assert registry.method_class("mine") is Mine and registry.ATTENTION_METHODS.count("mine") == 1
+    with pytest.raises(ValueError, match="method name 'mine' is already registered to Mine"):
+        registry.register(Other)
+    p = prompts(1, seed=3, lo=20, hi=30)[0]
+    engine = LLMEngine(tiny_model("llama", seed=4), None, RuntimeConfig(max_batch_size=1, max_seq_len=64),
+                       method="mine")
+    rid = engine.add_request(p, max_new_tokens=NEW)
+    engine.run_to_completion()
+    assert type(engine.method) is Mine
+    assert engine.pop_finished(rid).output == _reference(tiny_model("llama", seed=4), p)
