@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -295,3 +296,40 @@ def test_killed_rank0_takes_its_workers_down(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+_WEDGED = textwrap.dedent("""
+    import sys, time
+    import macattn.runtime.tensor_parallel as tp
+
+    tp._WEDGE_GRACE_S = 1.0
+    if __name__ == "__main__":
+        group = tp.TensorParallelGroup(2, ["cpu", "cpu"], 30.0)
+        group.backend = "nccl"      # the branch under test: gloo ends a dead peer's collective by itself
+        print(group.procs[0].pid, flush=True)
+        # an op the worker does not know (it exits), while rank 0's share never returns, as a stream
+        # waiting on a dead NCCL peer does
+        group.run(0, "no such op", (), lambda: time.sleep(600))
+        print("RETURNED", flush=True)
+""")
+
+
+def test_rank0_stuck_in_an_op_after_a_worker_died_exits_with_the_cause(tmp_path):
+    """The NCCL case (module doc): rank 0 cannot leave an op whose collective waits on a dead peer, so it
+    names the dead rank and exits with ``EXIT_WEDGED`` within the grace period; the worker is gone."""
+    from macattn.runtime.tensor_parallel import EXIT_WEDGED
+
+    script = tmp_path / "wedged.py"
+    script.write_text(_WEDGED)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        pid = int(proc.stdout.readline())
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_WEDGED, (proc.returncode, out, err[-2000:])
+    assert "RETURNED" not in out
+    assert re.search(r"rank 1 \(pid \d+\) exited with code \d+; NCCL cannot release .* exits with code 70", err), err
+    assert _gone(pid)
