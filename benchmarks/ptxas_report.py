@@ -1,0 +1,73 @@
+"""Registers and spills of the page op's kernels per launch configuration, without a GPU: Triton compiles
+each for sm_90a and the ``ptxas-blackwell`` its wheel ships (it reads the PTX 9.4 Triton 3.9 writes) reports.
+
+    python benchmarks/ptxas_report.py
+
+Prints one line per (kernel, configuration): registers per thread, spill stores / loads in bytes. What it
+told about ``_decode_partial_pages`` and ``_decode_merge`` is in ``benchmarks/NOTES.md`` (page op v2).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+import triton.backends.nvidia as nvidia
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from macattn.plugins.retrieval_completion.kernel import _decode_merge, _decode_partial_pages
+
+PTXAS = os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas-blackwell")
+
+
+def ptxas_stats(fn, signature: dict, constexprs: dict, num_warps: int) -> tuple[int, int, int]:
+    """``(registers, spill store bytes, spill load bytes)`` of ``fn`` compiled for sm_90a."""
+    ptx = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": num_warps}).asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        err = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, check=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", err).group(1))
+    stores, loads = (int(x) for x in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", err).groups())
+    return regs, stores, loads
+
+
+def _signature(pointers: dict, ints: list, floats: list, constexprs: list) -> dict:
+    return {**pointers, **{n: "i32" for n in ints}, **{n: "fp32" for n in floats}, **{n: "constexpr" for n in constexprs}}
+
+
+def main() -> int:
+    if not os.path.exists(PTXAS):
+        print(f"no {PTXAS}: needs Triton's NVIDIA backend wheel", file=sys.stderr)
+        return 2
+    partial = _signature({**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr")}, "sl_ptr": "*i64", "npf_ptr": "*i64",
+                          **{n: "*fp32" for n in ("lpk_ptr", "shift_ptr", "pm_ptr", "pl_ptr", "pacc_ptr", "psb_ptr",
+                                                  "psa_ptr")}, "pages_ptr": "*i64"},
+                         ["s_kb", "s_kh", "s_kt", "s_lb", "s_lh", "s_lt", "s_pb", "s_ph", "HQ", "HKV", "D", "F", "NP",
+                          "n_sink", "n_tail"], ["scale"], ["GROUP", "G_P", "PAGE", "PRECISION", "D_P", "F_P", "BLOCK_K"])
+    merge = _signature({"npf_ptr": "*i64", "out_ptr": "*bf16",
+                        **{n: "*fp32" for n in ("lpq_ptr", "a_ptr", "b_ptr", "shift_ptr", "pm_ptr", "pl_ptr", "pacc_ptr",
+                                                "psb_ptr", "psa_ptr")}},
+                       ["HQ", "HKV", "D", "F", "n_sink", "n_tail", "top_k", "N_SPLIT"], [],
+                       ["GROUP", "PAGE", "D_P", "F_P", "S_P", "SUB_KV", "UNROLL"])
+    shapes = dict(GROUP=4, PAGE=64, D_P=128, F_P=64)           # LLaMA-3.1-8B, F = 64, 64-token pages
+    print(f"{'kernel':<24}{'config':<28}{'registers':>10}{'spill st':>10}{'spill ld':>10}")
+    for bk, warps in [(64, 4), (64, 8), (32, 4), (32, 8), (16, 4)]:
+        consts = {**shapes, "G_P": 16, "PRECISION": "tf32", "BLOCK_K": bk}
+        regs, st, ld = ptxas_stats(_decode_partial_pages, partial, consts, warps)
+        print(f"{'_decode_partial_pages':<24}{f'BLOCK_K {bk} x {warps} warps':<28}{regs:>10}{st:>10}{ld:>10}")
+    for unroll, warps in [(1, 4), (2, 8), (4, 8), (8, 8)]:
+        consts = {**shapes, "S_P": 32, "SUB_KV": True, "UNROLL": unroll}
+        regs, st, ld = ptxas_stats(_decode_merge, merge, consts, warps)
+        print(f"{'_decode_merge':<24}{f'UNROLL {unroll} x {warps} warps':<28}{regs:>10}{st:>10}{ld:>10}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
