@@ -39,9 +39,10 @@ DECODE_LAUNCH = dict(BLOCK_K=32, num_warps=8, WAVES=2, MIN_ITEMS=128)
 PAGES_LAUNCH = dict(BLOCK_K=64, num_warps=8, WAVES=2, MIN_ITEMS=128, MERGE_UNROLL=4, MERGE_WARPS=8)
 
 
-def num_splits(rows: int, items: int, device, launch: dict = DECODE_LAUNCH) -> int:
+def num_splits(rows: int, items: int, device, launch: dict | None = None) -> int:
     """Splits per row for ``rows`` programs (``B·Hq`` query heads, or ``B·Hkv`` groups) of about ``items``
-    anchors + retrieved tokens each."""
+    anchors + retrieved tokens each; ``launch`` default ``DECODE_LAUNCH`` (read at the call)."""
+    launch = DECODE_LAUNCH if launch is None else launch
     want = -(-launch["WAVES"] * num_sms(device) // max(rows, 1))
     return max(1, min(want, items // launch["MIN_ITEMS"], 64))
 
