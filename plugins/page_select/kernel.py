@@ -9,6 +9,10 @@
    ascending order by a running prefix sum; ``-1`` fills what the valid pages cannot. A row of at most
    ``ONE_BLOCK_MAX`` pages is loaded once and the passes count in registers (``ONE_BLOCK``); a longer
    one is streamed from memory in every pass.
+
+A row's valid pages (``_row_pages``) are ``n_pages[b]``, or with ``MID_PAGE`` (the page size) the pages
+overlapping its mid computed from its prefill length, and the indices written are then absolute (``+ first``):
+the retrieval-completion op's selection in these two launches and nothing else.
 """
 from __future__ import annotations
 
