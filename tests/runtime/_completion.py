@@ -9,8 +9,6 @@ from macattn.methods.completion.config import CompletionConfig
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.engine import LLMEngine
 
-from _tiny import tiny_model
-
 
 def completion_maps(model, cfg: CompletionConfig):
     maps = maps_for_model(model, feature_dim=cfg.feature_dim, hidden=cfg.hidden, seed=3)

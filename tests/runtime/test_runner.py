@@ -4,11 +4,10 @@ import json
 
 import pytest
 import torch
-from _tiny import MAC, TINY, prompts, tiny_model
+from _tiny import MAC, prompts, tiny_model
 
 from macattn.methods.mac.config import MacConfig
-from macattn.runtime import (LLMEngine, ModelRunner, RuntimeConfig, SamplingParams, SlotStates,
-                             TensorSlotState, read_engine_dir, write_engine_dir)
+from macattn.runtime import ModelRunner, RuntimeConfig, SlotStates, TensorSlotState, read_engine_dir, write_engine_dir
 
 
 @pytest.fixture(scope="module")
