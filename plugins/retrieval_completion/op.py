@@ -47,6 +47,31 @@ def num_splits(rows: int, items: int, device, launch: dict | None = None) -> int
     return max(1, min(want, items // launch["MIN_ITEMS"], 64))
 
 
+def _ieee_dot(q: torch.Tensor) -> bool:
+    """Whether the kernels' ``tl.dot`` runs in fp32 IEEE: fp32 inputs, or Triton's interpreter (no bf16 dot)."""
+    return q.dtype == torch.float32 or interpreting()
+
+
+def _split_partials(B: int, Hq: int, sub_heads: int, n_split: int, d: int, F: int, dev) -> tuple:
+    """Scratch of a split-K tail: ``(pm, pl [B, Hq, S], pacc [B, Hq, S, d], psb [B, sub_heads, S, F],
+    psa [B, sub_heads, S, F, d])`` fp32; the subtraction partials per query head or per KV head
+    (``sub_heads``), written only for rows that use the completion (the merge reads them only there)."""
+    f32 = dict(dtype=torch.float32, device=dev)
+    return (_alloc(B, Hq, n_split, **f32), _alloc(B, Hq, n_split, **f32), _alloc(B, Hq, n_split, d, **f32),
+            _alloc(B, sub_heads, n_split, F, **f32), _alloc(B, sub_heads, n_split, F, d, **f32))
+
+
+def _merge(out, n_prefill, lpq, comp_A, comp_b, comp_shift, partials, Hq: int, Hkv: int, d: int, F: int,
+           n_sink: int, n_tail: int, top_k: int, page_size: int, n_split: int, **launch) -> torch.Tensor:
+    """``_decode_merge`` over ``partials`` (``_split_partials``) into ``out``; ``launch``: ``SUB_KV``,
+    ``UNROLL``, ``num_warps`` where they differ from its defaults."""
+    _decode_merge[(out.shape[0], Hq)](n_prefill, lpq, comp_A, comp_b, comp_shift, *partials, out, Hq, Hkv, d, F,
+                                      int(n_sink), int(n_tail), int(top_k), n_split, GROUP=Hq // Hkv,
+                                      PAGE=int(page_size), D_P=_pow2(d), F_P=_pow2(F), S_P=_pow2(n_split, 2),
+                                      **{"num_warps": 4, **launch})
+    return out
+
+
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
@@ -92,7 +117,7 @@ def mid_topk_triton(q, k_cache, n_prefill, n_sink: int, n_tail: int, top_k: int,
     block_t = 64
     _mid_logits[(B * Hkv, triton.cdiv(T, block_t))](
         q, k_cache, n_prefill, logits, *k_cache.stride()[:3], Hkv, T, d, int(n_sink), int(n_tail), scale, GROUP=group,
-        G_P=_pow2(group), D_P=_pow2(d), BLOCK_T=block_t, IEEE=q.dtype == torch.float32 or interpreting(), num_warps=4)
+        G_P=_pow2(group), D_P=_pow2(d), BLOCK_T=block_t, IEEE=_ieee_dot(q), num_warps=4)
     return torch.topk(logits, kk, dim=-1, sorted=False).indices
 
 
@@ -183,22 +208,15 @@ def decode_pages_triton(q, k, v, seq_lens, n_prefill, log_phi_q, log_phi_k, comp
     seq_lens, n_prefill, pages = seq_lens.contiguous(), n_prefill.contiguous(), pages.contiguous()
     NP = pages.shape[2]
     n_split = num_splits(B * Hkv, NP * page_size + n_sink + n_tail, dev, PAGES_LAUNCH)
-    f32 = dict(dtype=torch.float32, device=dev)
-    pm, pl = _alloc(B, Hq, n_split, **f32), _alloc(B, Hq, n_split, **f32)
-    pacc = _alloc(B, Hq, n_split, d, **f32)
-    # written only for rows that use the completion (the merge reads them only there); per KV head
-    psb, psa = _alloc(B, Hkv, n_split, F, **f32), _alloc(B, Hkv, n_split, F, d, **f32)
-    exact = q.dtype == torch.float32 or interpreting()
+    parts = _split_partials(B, Hq, Hkv, n_split, d, F, dev)           # subtraction partials per KV head
     _decode_partial_pages[(B, Hkv, n_split)](
-        q, k, v, seq_lens, n_prefill, lpk, comp_shift, pages, pm, pl, pacc, psb, psa, *k.stride()[:3],
+        q, k, v, seq_lens, n_prefill, lpk, comp_shift, pages, *parts, *k.stride()[:3],
         *lpk.stride()[:3], *pages.stride()[:2], Hq, Hkv, d, F, NP, int(n_sink), int(n_tail), scale, GROUP=group,
-        G_P=_pow2(group), PAGE=int(page_size), PRECISION="ieee" if exact else "tf32", D_P=_pow2(d), F_P=_pow2(F),
-        BLOCK_K=PAGES_LAUNCH["BLOCK_K"], num_warps=PAGES_LAUNCH["num_warps"])
-    _decode_merge[(B, Hq)](n_prefill, lpq, comp_A, comp_b, comp_shift, pm, pl, pacc, psb, psa, out, Hq, Hkv, d, F,
-                           int(n_sink), int(n_tail), NP, n_split, GROUP=group, PAGE=int(page_size),
-                           D_P=_pow2(d), F_P=_pow2(F), S_P=_pow2(n_split, 2), SUB_KV=True,
-                           UNROLL=PAGES_LAUNCH["MERGE_UNROLL"], num_warps=PAGES_LAUNCH["MERGE_WARPS"])
-    return out
+        G_P=_pow2(group), PAGE=int(page_size), PRECISION="ieee" if _ieee_dot(q) else "tf32", D_P=_pow2(d),
+        F_P=_pow2(F), BLOCK_K=PAGES_LAUNCH["BLOCK_K"], num_warps=PAGES_LAUNCH["num_warps"])
+    return _merge(out, n_prefill, lpq, comp_A, comp_b, comp_shift, parts, Hq, Hkv, d, F, n_sink, n_tail, NP,
+                  page_size, n_split, SUB_KV=True, UNROLL=PAGES_LAUNCH["MERGE_UNROLL"],
+                  num_warps=PAGES_LAUNCH["MERGE_WARPS"])
 
 
 def _same_strides(k_cache, v_cache):
@@ -248,19 +266,13 @@ def decode_retrieved_triton(q, k, v, seq_lens, n_prefill, log_phi_q, comp_A, com
     K = idx.shape[2]
     idx_group = group if idx.shape[1] == Hkv else 1
     n_split = num_splits(B * Hq, K + n_sink + n_tail, dev)
-    f32 = dict(dtype=torch.float32, device=dev)
-    pm, pl = _alloc(B, Hq, n_split, **f32), _alloc(B, Hq, n_split, **f32)
-    pacc = _alloc(B, Hq, n_split, d, **f32)
-    # written only for rows that use the completion (the merge reads them only there)
-    psb, psa = _alloc(B, Hq, n_split, F, **f32), _alloc(B, Hq, n_split, F, d, **f32)
+    parts = _split_partials(B, Hq, Hq, n_split, d, F, dev)            # subtraction partials per query head
     launch = {name: val for name, val in DECODE_LAUNCH.items() if name in ("BLOCK_K", "num_warps")}
-    _decode_partial[(B, Hq, n_split)](q, k, v, seq_lens, n_prefill, kr, vr, lpk, comp_shift, idx, rows, pm, pl, pacc,
-                                      psb, psa, *k.stride()[:3], *kr.stride()[:3], *lpk.stride()[:3],
+    _decode_partial[(B, Hq, n_split)](q, k, v, seq_lens, n_prefill, kr, vr, lpk, comp_shift, idx, rows, *parts,
+                                      *k.stride()[:3], *kr.stride()[:3], *lpk.stride()[:3],
                                       *idx.stride()[:2], Hq, Hkv, d, F, K, int(n_sink), int(n_tail), int(top_k), scale,
                                       GROUP=group, IDX_GROUP=idx_group, PAGE=int(page_size),
                                       RET_ROWS=rows is not idx, ANCHOR_COMPACT=bool(anchors_compact), D_P=_pow2(d),
                                       F_P=_pow2(F), **launch)
-    _decode_merge[(B, Hq)](n_prefill, lpq, comp_A, comp_b, comp_shift, pm, pl, pacc, psb, psa, out, Hq, Hkv, d, F,
-                           int(n_sink), int(n_tail), int(top_k), n_split, GROUP=group, PAGE=int(page_size),
-                           D_P=_pow2(d), F_P=_pow2(F), S_P=_pow2(n_split, 2), num_warps=4)
-    return out
+    return _merge(out, n_prefill, lpq, comp_A, comp_b, comp_shift, parts, Hq, Hkv, d, F, n_sink, n_tail, top_k,
+                  page_size, n_split)

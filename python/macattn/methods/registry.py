@@ -21,8 +21,12 @@ METHODS: dict[str, type[AttentionMethod]] = {
 }
 
 
-ATTENTION_METHODS = tuple(n for n, c in METHODS.items()
-                          if not (c.capabilities.prefill_only or c.capabilities.composes))
+def _computes_attention(cls: type[AttentionMethod]) -> bool:
+    """A method that computes a layer's attention itself (not prefill-only, not composing with one)."""
+    return not (cls.capabilities.prefill_only or cls.capabilities.composes)
+
+
+ATTENTION_METHODS = tuple(n for n, c in METHODS.items() if _computes_attention(c))
 
 
 def register(cls: type[AttentionMethod]) -> type[AttentionMethod]:
@@ -34,7 +38,7 @@ def register(cls: type[AttentionMethod]) -> type[AttentionMethod]:
     if METHODS.get(cls.name, cls) is not cls:
         raise ValueError(f"method name {cls.name!r} is already registered to {METHODS[cls.name].__name__}")
     METHODS[cls.name] = cls
-    if not (cls.capabilities.prefill_only or cls.capabilities.composes) and cls.name not in ATTENTION_METHODS:
+    if _computes_attention(cls) and cls.name not in ATTENTION_METHODS:
         ATTENTION_METHODS = (*ATTENTION_METHODS, cls.name)
     return cls
 
