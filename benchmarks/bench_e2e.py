@@ -192,9 +192,8 @@ def time_step(eng, seqs, reps: int) -> tuple[list[float], torch.Tensor | None]:
         return [], None
     bucket = paged.buckets[paged.bucket_size(len(seqs))]
     us = graph_replay_us(bucket.graphs[paged.step_key(seqs)], reps)
-    hits = None
-    if bucket.match_pos:
-        hits = torch.stack([mp[: len(seqs)] for mp in bucket.match_pos.values()]) >= 0
+    mp = getattr(eng.method, "last_match_pos", {})     # MAC: views of the bucket's buffers, [B, Hq] per layer
+    hits = torch.stack(list(mp.values())) >= 0 if mp else None
     return us, hits
 
 

@@ -8,7 +8,9 @@ import torch
 from macattn.core.validation import check_bool, check_choice, check_float, check_int
 from macattn.models.fused import QUANTIZATIONS
 
-__all__ = ["RuntimeConfig"]
+__all__ = ["RuntimeConfig", "DEFAULT_CUDA_TOKEN_BUDGET"]
+
+DEFAULT_CUDA_TOKEN_BUDGET = 8192    # tokens per engine step on CUDA (benchmarks/NOTES.md, "Token budget")
 
 
 def _positive_int(name: str, value, *, allow_none: bool = False) -> None:
@@ -37,10 +39,12 @@ class RuntimeConfig:
         transformers forward (FastMKA-patched models always run their transformers forward).
     quantization: ``None`` or ``"fp8"`` (weight-only E4M3 projections, one scale per output
         channel, quantised at load; needs ``fused_weights``).
-    prefill_chunk: prompt tokens prefilled per engine step at most, across requests (chunked
-        prefill between decode steps, so a long prompt does not stall the running streams); ``None``
-        = each admitted prompt whole in the step that admits it. Methods that build a request's KV
-        their own way (retrieval-completion, A3's chunked prompts) prefill whole prompts.
+    max_num_batched_tokens: the token budget of one engine step (vLLM's name): the running decodes
+        (one token each) plus prompt chunks of the requests being prefilled, packed into one model call,
+        so a long prompt never stalls the running streams for more than one budget's prefill; must
+        exceed ``max_batch_size``. ``None`` = ``DEFAULT_CUDA_TOKEN_BUDGET`` on CUDA (chosen by measurement,
+        ``benchmarks/NOTES.md``), whole prompts elsewhere. Prompts that build their KV their own way
+        (retrieval-completion, A3's chunked prompts, prefix-store loads) are prefilled whole.
     """
 
     max_batch_size: int = 8
@@ -51,7 +55,7 @@ class RuntimeConfig:
     use_cuda_graphs: bool = False
     fused_weights: bool = True
     quantization: str | None = None
-    prefill_chunk: int | None = None
+    max_num_batched_tokens: int | None = None
     tensor_parallel_size: int = 1
     tp_timeout_s: float = 120.0
 
@@ -60,7 +64,11 @@ class RuntimeConfig:
         _positive_int("max_seq_len", self.max_seq_len, allow_none=True)
         _positive_int("block_size", self.block_size)
         _positive_int("num_blocks", self.num_blocks, allow_none=True)
-        _positive_int("prefill_chunk", self.prefill_chunk, allow_none=True)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= self.max_batch_size:
+            raise ValueError(f"max_num_batched_tokens must be > max_batch_size={self.max_batch_size} (a step "
+                             f"decodes up to max_batch_size tokens before any prompt chunk), got "
+                             f"{self.max_num_batched_tokens}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         check_float("tp_timeout_s", self.tp_timeout_s, 0.0, lo_open=True)
         for name in ("use_cuda_graphs", "fused_weights"):
@@ -86,4 +94,7 @@ class RuntimeConfig:
             raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
                              f"{model_max_positions}")
         num_blocks = self.num_blocks or self.max_batch_size * -(-max_seq_len // self.block_size)
-        return replace(self, max_seq_len=max_seq_len, num_blocks=num_blocks)
+        budget = self.max_num_batched_tokens
+        if budget is None and torch.device(self.device).type == "cuda":
+            budget = max(DEFAULT_CUDA_TOKEN_BUDGET, self.max_batch_size + 1)
+        return replace(self, max_seq_len=max_seq_len, num_blocks=num_blocks, max_num_batched_tokens=budget)

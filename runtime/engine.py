@@ -15,8 +15,6 @@ from typing import Callable
 import torch
 
 from macattn.methods.base import AttentionMethod, ModelDims
-from macattn.methods.mac.backend import MacAttention
-from macattn.methods.mac.config import MacConfig
 from macattn.methods.registry import method_class
 
 from macattn.runtime.config import RuntimeConfig
@@ -26,34 +24,42 @@ from macattn.runtime.scheduler import Scheduler
 from macattn.runtime.sequence import Sequence
 from macattn.runtime.slots import SlotStates
 
-__all__ = ["MethodSpec", "StepOutput", "LLMEngine", "check_input_ids"]
+__all__ = ["MethodSpec", "StepOutput", "LLMEngine", "check_input_ids", "MAC_CONFIG_METHOD"]
+
+MAC_CONFIG_METHOD = "mac"
+"""The registry name of the engine's default method: the one its ``mac_config`` argument configures."""
 
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """An attention method by registry name and its configuration: ``mac_config`` (MAC's),
-    ``method_config`` (another method's; None = its config type's defaults), ``kwargs`` (its other
-    constructor arguments). A tensor-parallel group sends it to every rank, which builds the method
-    for its own heads (``factory``)."""
+    """An attention method by registry name, its ``config`` (None = the class's ``default_config()``)
+    and ``kwargs`` (its other constructor arguments). A tensor-parallel group sends it to every rank,
+    which builds the method for its own heads (``factory``)."""
 
     name: str
-    mac_config: MacConfig
-    method_config: object = None
+    config: object = None
     kwargs: dict = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, name: str, mac_config, method_config=None, kwargs: dict | None = None) -> "MethodSpec":
+        """The engine's arguments as a spec: ``mac_config`` is the config of the method registered as
+        ``MAC_CONFIG_METHOD`` (which then takes no ``method_config``) and ignored for any other, whose
+        config is ``method_config``."""
+        if name == MAC_CONFIG_METHOD:
+            if method_config is not None:
+                raise ValueError(f"method={name!r} takes its config as mac_config, not method_config")
+            method_config = mac_config
+        return cls(name, method_config, dict(kwargs or {}))
+
     def factory(self, dims: ModelDims, config: RuntimeConfig) -> Callable[[int], AttentionMethod]:
-        """``num_slots -> AttentionMethod`` for a model of ``dims`` under ``config`` (resolved). A method
-        whose constructor takes ``max_seq_len`` gets the runtime's."""
+        """``num_slots -> AttentionMethod`` for a model of ``dims`` under ``config`` (resolved), with the
+        method class's ``engine_config(self.config)``. A method whose constructor takes ``max_seq_len``
+        gets the runtime's."""
         cls = method_class(self.name)
         kwargs = dict(self.kwargs)
         if "max_seq_len" in inspect.signature(cls.__init__).parameters:
             kwargs = {"max_seq_len": config.max_seq_len, **kwargs}
-        if cls is MacAttention:
-            if self.method_config is not None:
-                raise ValueError("pass MAC's config as mac_config, not method_config")
-            method_config = self.mac_config
-        else:
-            method_config = self.method_config if self.method_config is not None else cls.config_type()
+        method_config = cls.engine_config(self.config)
         return lambda num_slots: cls(method_config, dims, num_slots=num_slots, **kwargs)
 
 
@@ -97,31 +103,31 @@ class LLMEngine:
     """model: a LLaMA / Qwen2 / Mistral ``*ForCausalLM``.
 
     method: the attention method, by registry name (``macattn.methods.registry``) or as a
-    factory ``num_slots -> AttentionMethod``; default ``"mac"`` with ``mac_config`` (None = MAC
-    disabled: every step runs full attention through the same ops). ``method_config`` is the
-    named method's config (default: its config type's defaults); ``method_kwargs`` its other
-    constructor arguments (e.g. retrieval-completion's ``maps``). A method whose constructor takes
-    ``max_seq_len`` gets the runtime's.
+    factory ``num_slots -> AttentionMethod``; default ``"mac"`` (``MAC_CONFIG_METHOD``) with
+    ``mac_config`` (a ``MacConfig``, checked for what the engine runs whatever the method; None = MAC
+    disabled: every step runs full attention through the same ops; the class's ``engine_config``).
+    ``method_config`` is another named method's config (default: the class's ``default_config()``);
+    ``method_kwargs`` its other constructor arguments (e.g. retrieval-completion's ``maps``). A method
+    whose constructor takes ``max_seq_len`` gets the runtime's.
     """
 
-    def __init__(self, model, mac_config: MacConfig | None = None, config: RuntimeConfig | None = None, *,
-                 method: str | Callable[[int], AttentionMethod] = "mac", method_config=None,
+    def __init__(self, model, mac_config=None, config: RuntimeConfig | None = None, *,
+                 method: str | Callable[[int], AttentionMethod] = MAC_CONFIG_METHOD, method_config=None,
                  method_kwargs: dict | None = None) -> None:
         config = (config or RuntimeConfig()).resolved(model.config.max_position_embeddings)
         self.config = config
-        self.mac_config = mac_config if mac_config is not None else MacConfig(enabled=False)
-        self.mac_config.require_engine_support("ModelRunner")
+        self.mac_config = method_class(MAC_CONFIG_METHOD).engine_config(mac_config)
         if config.tensor_parallel_size > 1:       # rank 0 of a tensor-parallel group; workers hold the other shards
             from macattn.runtime.tensor_parallel import TensorParallelExecutor
 
             if callable(method):
                 raise ValueError("tensor_parallel_size > 1 takes the method by registry name (every rank builds "
                                  "its own for its heads), not a factory")
-            self.executor = TensorParallelExecutor(model, MethodSpec(method, self.mac_config, method_config,
-                                                                     method_kwargs or {}), config)
+            self.executor = TensorParallelExecutor(model, MethodSpec.of(method, self.mac_config, method_config,
+                                                                        method_kwargs), config)
         else:
             factory = (method if callable(method) else
-                       MethodSpec(method, self.mac_config, method_config, method_kwargs or {}).factory(
+                       MethodSpec.of(method, self.mac_config, method_config, method_kwargs).factory(
                            ModelDims.of(model.to(config.device)), config))
             self.executor = ModelExecutor(model, factory, config)
         self.method = self.executor.method
@@ -131,7 +137,8 @@ class LLMEngine:
         if self.executor.decoder is not None:    # the padding rows' scratch, never a request's
             self.executor.reserve_scratch(self.slot_states.acquire())
         self.scheduler = Scheduler(self.slot_states, self.executor.blocks,
-                                   on_finish=lambda seq: seq.metrics.update(self.executor.request_metrics(seq.slot)))
+                                   on_finish=lambda seq: seq.metrics.update(self.executor.request_metrics(seq.slot)),
+                                   max_num_batched_tokens=config.max_num_batched_tokens, packs=self.executor.packs)
         self.vocab_size = model.config.vocab_size
         self.requests: dict[int, Sequence] = {}
 
@@ -139,10 +146,15 @@ class LLMEngine:
         """Release what the engine holds outside this process (a tensor-parallel group's shards)."""
         self.executor.close()
 
+    def method_state(self, name: str):
+        """The bound method's per-request state registered as ``name`` (``AttentionMethod.slot_states``),
+        None if it has none."""
+        return self.method.slot_states().get(name)
+
     @property
     def mac_state(self):
-        """The MAC rings (``MacState``) when the method is MAC, else None."""
-        return getattr(self.method, "state", None) if isinstance(self.method, MacAttention) else None
+        """MAC's rings (``MacState``, its slot state ``"mac"``) when the method is MAC, else None."""
+        return self.method_state("mac")
 
     @property
     def model(self):
@@ -204,24 +216,25 @@ class LLMEngine:
 
     # --- one step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Decode every running request that has a token, then prefill: new admissions whole, or with
-        ``RuntimeConfig.prefill_chunk`` at most that many prompt tokens across the requests being
-        prefilled (admission order); a request's first token comes with its prompt's last chunk."""
+        """One step: schedule (``Scheduler.schedule``: decodes, then prompt chunks up to
+        ``RuntimeConfig.max_num_batched_tokens``), execute (the decode batch, then the prompt chunks packed
+        into one model call), update (append or finish). A request's first token comes with its prompt's
+        last chunk. Returns one ``StepOutput`` per request that produced a token or finished."""
+        scheduled = self.scheduler.schedule()
         outputs: list[StepOutput] = []
-        batch = self.scheduler.decode_batch()
-        if batch:
+        if scheduled.decodes:
+            batch = list(scheduled.decodes)
             tokens, logits = self.executor.decode_step(batch)
             for seq, token, row in zip(batch, tokens, logits):
                 outputs.append(self._append(seq, token, row))
-        self.scheduler.admit()
-        budget = self.config.prefill_chunk
-        for seq in self.scheduler.prefilling():
-            if budget is not None and budget <= 0:
-                break
-            logits, used = self.executor.prefill_part(seq, budget)
-            budget = None if budget is None else budget - used
-            if logits is not None:
-                outputs.append(self._append(seq, self.executor.sample([seq], logits[None])[0], logits))
+        if scheduled.prefills:
+            rows = self.executor.prefill_chunks(list(scheduled.prefills))
+            done = [(c.seq, row) for c, row in zip(scheduled.prefills, rows) if row is not None]
+            if done:
+                logits = torch.stack([row for _, row in done])
+                tokens = self.executor.sample([seq for seq, _ in done], logits)
+                for (seq, _), token, row in zip(done, tokens, logits):
+                    outputs.append(self._append(seq, token, row))
         return outputs
 
     def _append(self, seq: Sequence, token: int, logits: torch.Tensor) -> StepOutput:

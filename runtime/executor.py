@@ -1,25 +1,27 @@
-"""Runs the bound transformers model over the paged KV cache: prefill one request, decode a
-batch of requests of different lengths.
+"""Runs the bound transformers model over the paged KV cache: packed prefill of several requests'
+prompt chunks in one call, decode of a batch of requests of different lengths.
 
 The model is bound in place to the engine's ``AttentionMethod`` (``macattn.models.attention``).
 Every model call runs inside ``ModelBinding.step(StepContext(...))`` — the one place the
-per-call metadata (state rows, per-request positions, the GPU bucket's plans) is set.
-Per-request RoPE comes from explicit ``position_ids``; K/V go through ``PrefillView`` /
-``DecodeView`` into the paged pool. On CUDA, decode goes through ``CudaDecoder`` (the whole
-step per batch bucket, the Triton plans over the paged pool, CUDA graphs), which pads batches
-with a scratch state row and, over the paged pool, a scratch KV block reserved here.
+per-call metadata (state rows, per-request positions, the decode bucket's plans, the packed
+prefill's ``RaggedPrefill``) is set. Per-request RoPE comes from explicit ``position_ids``.
+Prefill (``prefill_chunks``): the chunks' tokens run back to back as one row, their K/V go to their
+pool rows (``PrefillView``) and each attends causally to its own request's positions through the plan
+(``macattn.core.ragged``: SDPA's fused kernels, no masks), the method seeding each request's state.
+On CUDA, decode goes through ``CudaDecoder`` (the whole step per batch bucket, the Triton plans over
+the paged pool, CUDA graphs), which pads batches with a scratch state row and, over the paged pool, a
+scratch KV block reserved here.
 
-``PrefillIO`` is what a whole-request prefill (A3's fused prefix) may do with a request: write
-its prompt K/V rows and run a continued prefill — nothing else of the executor.
+``PrefillIO`` is what a whole-request prefill (A3's fused prefix, a prefix-store load) may do with a
+request: write its prompt K/V rows and run a continued prefill — nothing else of the executor.
 """
 from __future__ import annotations
 
 import torch
 
-from macattn.methods.a3.backend import A3Prefill
-from macattn.methods.a3.config import A3Config
+from macattn.core.ragged import PrefillSegment, RaggedPrefill
 from macattn.methods.base import AttentionMethod, StepContext
-from macattn.methods.mka.backend import FastMka
+from macattn.methods.registry import build_method
 from macattn.models.attention import bind, unbind
 from macattn.models.fused import FusedForward
 
@@ -27,7 +29,7 @@ from macattn.runtime.block_manager import BlockManager
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.kv_cache import DecodeView, PagedKVCache, PrefillView
 from macattn.runtime.sampling import SamplingBatch, sample_tokens
-from macattn.runtime.sequence import Sequence
+from macattn.runtime.sequence import PrefillChunk, Sequence
 
 __all__ = ["ModelExecutor", "PrefillIO"]
 
@@ -74,9 +76,10 @@ class ModelExecutor:
                                head_dim=self.head_dim, dtype=self.dtype, device=self.device)
         self.mka = None
         if self.mka_ctx is not None:
-            self.mka = FastMka(self.mka_ctx.config, self.method.dims, num_slots=self.num_slots)
+            self.mka = build_method("mka", self.method.dims, num_slots=self.num_slots, config=self.mka_ctx.config)
             self.mka_ctx.bind_runtime(self.mka.state, self.binding)
-        self.a3 = A3Prefill(A3Config(), self.method.dims, num_slots=self.num_slots) if self.paged_kv else None
+        # A3's fused prefill: the strategy for requests that carry a chunked prompt (``seq.rag``)
+        self.a3 = build_method("a3", self.method.dims, num_slots=self.num_slots) if self.paged_kv else None
         self.scratch_slot = None
         self.scratch_block = config.num_blocks if gpu and self.paged_kv else None
         self.decoder = None
@@ -107,49 +110,56 @@ class ModelExecutor:
         """The padding rows' state row on CUDA (taken from the slot registry by the engine)."""
         self.scratch_slot = slot
 
-    def run_model(self, ids: torch.Tensor, positions: torch.Tensor, mask=None, past_key_values=None) -> torch.Tensor:
-        """Logits ``[B, V]`` of each row's last position for ``ids [B, T]`` at ``positions [B, T]``:
-        the fused forward (``RuntimeConfig.fused_weights``) or the model's own."""
+    def run_model(self, ids: torch.Tensor, positions: torch.Tensor, mask=None, past_key_values=None,
+                  logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[B, V]`` of each row's last position for ``ids [B, T]`` at ``positions [B, T]``, or with
+        ``logits_at [n]`` (indices into the ``B * T`` tokens) the logits ``[n, V]`` of those tokens: the
+        fused forward (``RuntimeConfig.fused_weights``) or the model's own."""
         if self.fused is not None:
-            return self.fused(ids, positions, mask, past_key_values)
-        return self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=past_key_values,
-                          use_cache=past_key_values is not None, logits_to_keep=1).logits[:, -1]
+            return self.fused(ids, positions, mask, past_key_values, logits_at=logits_at)
+        if mask is None and isinstance(past_key_values, PrefillView):
+            # transformers takes a 4-D mask as given: a placeholder skips building an N x N mask that the
+            # packed plan (which masks by segment) would ignore
+            mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=ids.device)
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=past_key_values,
+                         use_cache=past_key_values is not None,
+                         logits_to_keep=1 if logits_at is None else logits_at).logits
+        return out[:, -1] if logits_at is None else out.reshape(-1, out.shape[-1])
 
-    def step(self, *, slots: torch.Tensor, positions: torch.Tensor | None = None, paged=None):
+    def step(self, *, slots: torch.Tensor, positions: torch.Tensor | None = None, paged=None, prefill=None):
         """Context manager: the model calls inside it run with these state rows / positions / plans."""
-        return self.binding.step(StepContext(slots=slots, positions=positions, paged=paged))
+        return self.binding.step(StepContext(slots=slots, positions=positions, paged=paged, prefill=prefill))
 
-    def prefill_part(self, seq: Sequence, max_tokens: int | None) -> tuple[torch.Tensor | None, int]:
-        """Prefill the next part of ``seq``'s prompt, ``max_tokens`` at most (None: the rest; a part has at
-        least two tokens, so fewer prefill nothing now, and leaves no one-token rest, taking one token
-        over ``max_tokens`` where it cannot stop one short). Returns ``(last position's logits [V] once the
-        prompt is complete else None, tokens prefilled)``.
-        Only a prompt over the paged KV pool without A3 chunks is prefilled in parts; any other
-        prompt is prefilled whole whatever ``max_tokens`` says."""
-        L = len(seq.prompt)
-        start = seq.num_prefilled
-        if max_tokens is None or not self.paged_kv or seq.rag is not None or (start == 0 and max_tokens >= L):
-            logits = self.prefill(seq)
-            seq.num_prefilled = L
-            return logits, L - start
-        # a one-token model call is a decode step to every method: a part has >= 2 tokens, and
-        # never leaves a one-token rest
-        if max_tokens < 2 or start >= L:
-            return None, 0
-        end = min(L, start + max_tokens)
-        if L - end == 1:
-            end = end - 1 if end - start >= 3 else L      # L, one token over the budget, at most
-        if start == 0:
-            logits = self._prefill_head(seq, end)
-        else:
-            logits = PrefillIO(self, seq).continue_prefill(torch.tensor(seq.prompt[start:end], dtype=torch.int64),
-                                                           start)
-        seq.num_prefilled = end
-        return (logits if end == L else None), end - start
+    def packs(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s prompt is prefilled in packed chunks (any split, several requests per call):
+        a plain prompt over the paged pool. Others (A3's chunked prompts, a prefix-store load, a method
+        that keeps its own KV) are prefilled whole, one request per call, by ``prefill``."""
+        return self.paged_kv and seq.rag is None and not seq.reuse_prefix
+
+    def prefill_chunks(self, chunks: list[PrefillChunk]) -> list[torch.Tensor | None]:
+        """Prefill one step's ``chunks`` (``ScheduledStep.prefills``): the packable ones in one packed
+        model call (one call per request on a FastMKA-patched model, whose session summary runs along one
+        request's tokens), the others whole through ``prefill``. Returns per chunk the logits ``[V]`` of
+        its prompt's last position when the chunk completes the prompt, else None."""
+        out: list[torch.Tensor | None] = [None] * len(chunks)
+        packed = []
+        for i, c in enumerate(chunks):
+            if self.packs(c.seq):
+                packed.append(i)
+                continue
+            if c.start != 0 or not c.completes_prompt:
+                raise ValueError(f"request {c.seq.request_id} is prefilled whole; got positions {c.start}..{c.end}")
+            out[i] = self.prefill(c.seq)
+            c.seq.num_prefilled = c.end
+        for group in ([packed] if self.mka_ctx is None else [[i] for i in packed]) if packed else []:
+            logits = self._prefill_packed([chunks[i] for i in group])
+            for i, row in zip(group, logits):
+                out[i] = row if chunks[i].completes_prompt else None
+        return out
 
     def prefill(self, seq: Sequence) -> torch.Tensor:
-        """Prefill ``seq``: A3's ``prefill_request`` when it carries a chunked prompt (``seq.rag``),
-        else ``prefill_plain``."""
+        """Prefill ``seq``'s whole prompt: A3's ``prefill_request`` when it carries a chunked prompt
+        (``seq.rag``), the method's when it loads from a prefix store, else ``prefill_plain``."""
         if seq.rag is not None:
             if self.a3 is None:
                 raise ValueError(f"chunked (A3) prompts need a method over the paged KV cache; "
@@ -167,18 +177,33 @@ class ModelExecutor:
             ids = torch.tensor([seq.prompt], dtype=torch.int64, device=self.device)
             with self.step(slots=torch.tensor([seq.slot], dtype=torch.int64)):
                 return self.run_model(ids, torch.arange(L, device=self.device).unsqueeze(0))[0]
-        return self._prefill_head(seq, L)
+        return self._prefill_packed([PrefillChunk(seq, 0, L)])[0]
 
     @torch.inference_mode()
-    def _prefill_head(self, seq: Sequence, n: int) -> torch.Tensor:
-        """The first ``n`` prompt tokens of a fresh request over the paged pool (K/V written, state
-        seeded): logits ``[V]`` of position ``n - 1``."""
-        ids = torch.tensor([seq.prompt[:n]], dtype=torch.int64, device=self.device)
-        pos = torch.arange(n, device=self.device).unsqueeze(0)
-        mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril().view(1, 1, n, n)
-        view = PrefillView(self.kv, self.blocks.rows(seq, 0, n))
-        with self.step(slots=torch.tensor([seq.slot], dtype=torch.int64)):
-            return self.run_model(ids, pos, mask, view)[0]
+    def _prefill_packed(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        """One packed model call over ``chunks`` (``macattn.core.ragged``: their tokens back to back, K/V
+        written to their pool rows, each attending causally to its own earlier positions, each request's
+        state seeded). Returns the logits ``[n, V]`` of each chunk's last token; sets ``num_prefilled``."""
+        dev = self.device
+        ids, pos, write, segments, offset = [], [], [], [], 0
+        for c in chunks:
+            seq = c.seq
+            ids.extend(seq.prompt[c.start:c.end])
+            pos.append(torch.arange(c.start, c.end))
+            write.append(self.blocks.rows(seq, c.start, c.end))
+            history = self.blocks.rows(seq, 0, c.start).to(dev) if c.start else None
+            segments.append(PrefillSegment(offset, c.num_tokens, c.start, seq.slot, history))
+            offset += c.num_tokens
+        plan = RaggedPrefill(segments, self.kv.k, self.kv.v)
+        view = PrefillView(self.kv, torch.cat(write), cached=chunks[0].start if len(chunks) == 1 else 0)
+        ids_t = torch.tensor(ids, dtype=torch.int64).view(1, -1).to(dev, non_blocking=True)
+        pos_t = torch.cat(pos).view(1, -1).to(dev, non_blocking=True)
+        last = torch.tensor(plan.last_token_indices(), dtype=torch.int64).to(dev, non_blocking=True)
+        with self.step(slots=torch.tensor(plan.slots, dtype=torch.int64), prefill=plan):
+            logits = self.run_model(ids_t, pos_t, None, view, logits_at=last)
+        for c in chunks:
+            c.seq.num_prefilled = c.end
+        return logits
 
     @staticmethod
     def sampling_rows(seqs: list[Sequence]) -> list[tuple]:
@@ -224,24 +249,6 @@ class ModelExecutor:
         mask = (torch.arange(T, device=self.device).view(1, T) <= positions.view(B, 1)).view(B, 1, 1, T)
         with self.step(slots=slots, positions=positions):
             return self.run_model(ids, positions.view(B, 1), mask, DecodeView(self.kv, write, gather))
-
-
-class _ContinueView:
-    """Paged-pool view for a continued prefill: writes the call's K/V to ``write_rows [Q]`` and
-    returns the whole prompt's ``rows [P + Q]`` as ``[1, Hkv, P + Q, d]``."""
-
-    def __init__(self, kv: PagedKVCache, write_rows: torch.Tensor, rows: torch.Tensor) -> None:
-        dev = kv.k[0].device
-        self.kv, self.write_rows, self.rows = kv, write_rows.to(dev), rows.to(dev)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self.rows.numel() - self.write_rows.numel())
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        k, v = self.kv.k[layer_idx], self.kv.v[layer_idx]
-        k[self.write_rows] = key[0].transpose(0, 1).to(k.dtype)
-        v[self.write_rows] = value[0].transpose(0, 1).to(v.dtype)
-        return k[self.rows].transpose(0, 1).unsqueeze(0), v[self.rows].transpose(0, 1).unsqueeze(0)
 
 
 class PrefillIO:
@@ -302,11 +309,7 @@ class PrefillIO:
     def continue_prefill(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """Run ``ids [Q]`` at positions ``start .. start+Q-1`` over the prompt K/V already written
         (the method seeds the request's state from these tokens). Returns logits ``[V]``."""
-        ex, dev = self._ex, self._ex.device
-        Q = ids.numel()
-        L = start + Q
-        rows = ex.blocks.rows(self._seq, 0, L).to(dev)
-        pos = torch.arange(start, L, device=dev)
-        mask = (torch.arange(L, device=dev).view(1, L) <= pos.view(Q, 1)).view(1, 1, Q, L)
-        with ex.step(slots=torch.tensor([self._seq.slot], dtype=torch.int64)):
-            return ex.run_model(ids.to(dev).view(1, Q), pos.view(1, Q), mask, _ContinueView(ex.kv, rows[start:], rows))[0]
+        seq = self._seq
+        if seq.prompt[start:start + ids.numel()] != ids.tolist():
+            raise ValueError("continue_prefill runs the request's own prompt tokens")
+        return self._ex._prefill_packed([PrefillChunk(seq, start, start + ids.numel())])[0]

@@ -36,19 +36,21 @@ class PagedKVCache:
 
 
 class PrefillView:
-    """One request's prefill from position 0: writes ``[1, Hkv, L, d]`` to ``rows [L]`` and
-    returns the keys/values as given (the prompt is the whole history)."""
+    """A prefill call's K/V writes: the call's ``[1, Hkv, N, d]`` keys / values go to pool ``rows [N]``
+    (one ``index_copy_`` per layer) and are handed back as given; the attention reads earlier positions
+    through the call's plan (``macattn.core.ragged.RaggedPrefill``). ``cached``: tokens the request had
+    before this call when it is one request's (0: a fresh prompt; FastMKA resets its summary then)."""
 
-    def __init__(self, cache: PagedKVCache, rows: torch.Tensor) -> None:
-        self.cache, self.rows = cache, rows.to(cache.k[0].device)
+    def __init__(self, cache: PagedKVCache, rows: torch.Tensor, cached: int = 0) -> None:
+        self.cache, self.rows, self.cached = cache, rows.to(cache.k[0].device), cached
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens cached before this call: none (a fresh prompt; FastMKA resets its summary)."""
-        return 0
+        return self.cached
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self.cache.k[layer_idx][self.rows] = key[0].transpose(0, 1).to(self.cache.k[layer_idx].dtype)
-        self.cache.v[layer_idx][self.rows] = value[0].transpose(0, 1).to(self.cache.v[layer_idx].dtype)
+        k, v = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        k.index_copy_(0, self.rows, key[0].transpose(0, 1).to(k.dtype))
+        v.index_copy_(0, self.rows, value[0].transpose(0, 1).to(v.dtype))
         return key, value
 
 

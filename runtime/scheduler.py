@@ -1,21 +1,41 @@
 """In-flight batching scheduler: requests join and leave between steps.
 
-Each ``step`` of the engine asks for (1) the running requests that already have a first
-token — decoded together as one batch of mixed lengths — and (2) newly admitted requests,
-each prefilled on its own. Admission is FIFO and needs a free state slot (MAC rings +
-other per-slot state, reset on acquire) and KV blocks for ``prompt + max_new_tokens``.
-Finishing releases both (the slot's states are reset again).
+``schedule()`` returns one ``ScheduledStep`` under one token budget (``max_num_batched_tokens``, the
+Sarathi-Serve / vLLM v1 rule): every running request that already has a token decodes (one token
+each), then admission, then prompt chunks of the requests being prefilled, in admission order, up to
+the budget (``None``: whole prompts). A prompt the executor cannot split (``packs`` False: A3's chunked
+prompts, prefix-store loads, methods keeping their own KV) is scheduled whole, alone if it exceeds the
+budget. Admission is FIFO and needs a free state slot (MAC rings + other per-slot state, reset on
+acquire) and KV blocks for ``prompt + max_new_tokens``. Finishing releases both (the slot's states are
+reset again).
 """
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 from macattn.runtime.block_manager import BlockManager
-from macattn.runtime.sequence import Sequence, SequenceStatus
+from macattn.runtime.sequence import PrefillChunk, Sequence, SequenceStatus
 from macattn.runtime.slots import SlotStates
 
-__all__ = ["Scheduler"]
+__all__ = ["Scheduler", "ScheduledStep"]
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    """What one engine step runs: ``decodes`` (one token each, at ``num_tokens - 1``) and ``prefills``
+    (prompt chunks; a chunk ending its prompt yields the request's first token)."""
+
+    decodes: tuple[Sequence, ...] = ()
+    prefills: tuple[PrefillChunk, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)
 
 
 class Scheduler:
@@ -23,10 +43,13 @@ class Scheduler:
     state is still there to read)."""
 
     def __init__(self, slots: SlotStates, blocks: BlockManager,
-                 on_finish: Callable[[Sequence], None] | None = None) -> None:
+                 on_finish: Callable[[Sequence], None] | None = None, *,
+                 max_num_batched_tokens: int | None = None, packs: Callable[[Sequence], bool] = lambda s: True) -> None:
         self.slots = slots
         self.blocks = blocks
         self.on_finish = on_finish
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.packs = packs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -45,6 +68,33 @@ class Scheduler:
     def prefilling(self) -> list[Sequence]:
         """Running requests whose prompt is not prefilled yet (admission order)."""
         return [s for s in self.running if not s.prefilled]
+
+    def schedule(self) -> ScheduledStep:
+        """The next step (module doc); admits waiting requests. Chunks are cut by ``num_prefilled``,
+        which the executor advances when it runs them."""
+        decodes = tuple(self.decode_batch())
+        budget = self.max_num_batched_tokens
+        left = None if budget is None else budget - len(decodes)
+        self.admit()
+        prefills: list[PrefillChunk] = []
+        for seq in self.prefilling():
+            if left is not None and left <= 0:
+                break
+            start, L = seq.num_prefilled, len(seq.prompt)
+            if left is None:
+                end = L
+            elif not self.packs(seq):
+                if start != 0:
+                    raise RuntimeError(f"request {seq.request_id} cannot be split but is partly prefilled")
+                if prefills and L > left:     # whole prompts in admission order: it waits for a step of its own
+                    break
+                end = L
+            else:
+                end = min(L, start + left)
+            prefills.append(PrefillChunk(seq, start, end))
+            if left is not None:
+                left -= end - start
+        return ScheduledStep(decodes, tuple(prefills))
 
     def admit(self) -> list[Sequence]:
         """Move waiting requests (FIFO) into the running set while a slot and blocks are free."""

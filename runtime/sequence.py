@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from macattn.runtime.sampling import SamplingParams
 
-__all__ = ["SequenceStatus", "Sequence"]
+__all__ = ["SequenceStatus", "Sequence", "PrefillChunk"]
 
 _ids = itertools.count()
 
@@ -60,3 +60,20 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt positions ``start .. end - 1`` of ``seq`` to prefill in one step (``end - start >= 1``)."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.end == len(self.seq.prompt)

@@ -68,7 +68,7 @@ from macattn.models.tensor_parallel import ShardLayout, build_shard, shard_state
 
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.executor import ModelExecutor
-from macattn.runtime.sequence import Sequence
+from macattn.runtime.sequence import PrefillChunk, Sequence
 
 __all__ = ["TensorParallelError", "TensorParallelGroup", "TensorParallelExecutor", "RandomWeights",
            "rank_devices", "refuse_chunked_prompts", "shutdown_all"]
@@ -425,7 +425,7 @@ def refuse_chunked_prompts(size: int) -> None:
 
 class TensorParallelExecutor:
     """Rank 0's executor of a tensor-parallel engine: what ``LLMEngine`` calls on a ``ModelExecutor``
-    (``decode_step``, ``prefill_part``, ``sample``, ``slot_states``, ``request_metrics``,
+    (``decode_step``, ``prefill_chunks``, ``sample``, ``slot_states``, ``request_metrics``,
     ``reserve_scratch``, ``blocks``, ...), each model call broadcast to the workers first. ``local``: the
     ``ModelExecutor`` of shard 0 (other attributes are read from it).
 
@@ -482,12 +482,13 @@ class TensorParallelExecutor:
                 self._mirrored[s.slot] = s.request_id
         return out
 
-    def prefill_part(self, seq: Sequence, max_tokens: int | None):
-        if seq.rag is not None:
-            refuse_chunked_prompts(self.size)
-        wires = self._wires([seq])
-        return self.group.run(self.engine_id, "prefill", (seq.request_id, wires.get(seq.request_id), max_tokens),
-                              lambda: self.local.prefill_part(seq, max_tokens))
+    def prefill_chunks(self, chunks: list[PrefillChunk]) -> list:
+        for c in chunks:
+            if c.seq.rag is not None:
+                refuse_chunked_prompts(self.size)
+        wires = self._wires([c.seq for c in chunks])
+        rows = [(c.seq.request_id, c.start, c.end) for c in chunks]
+        return self.group.run(self.engine_id, "prefill", (rows, wires), lambda: self.local.prefill_chunks(chunks))
 
     def decode_step(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor]:
         rows = [(s.request_id, len(s.output), s.output[-1]) for s in seqs]
@@ -509,25 +510,18 @@ class TensorParallelExecutor:
         return self.group.run(self.engine_id, "run", (fn, args), local)
 
     def request_metrics(self, slot: int) -> dict[str, float]:
-        counts = [c for c in self.run_on_ranks(_mac_slot_counts, slot) if c is not None]
-        if not counts:
-            return self.local.request_metrics(slot)
-        from macattn.methods.mac.state import MacDiagnostics
-
-        return MacDiagnostics.request_of([sum(c[i] for c in counts) for i in range(3)])
+        """The request's figures over every rank's heads: each rank's ``request_metrics_part``, combined
+        by the method (``combine_request_metrics``)."""
+        return self.local.method.combine_request_metrics(self.run_on_ranks(_request_metrics_part, slot))
 
     def close(self) -> None:
         """Release this engine's shards on the workers (queued for the group's next message)."""
         self._finalizer()
 
 
-def _mac_slot_counts(executor: ModelExecutor, slot: int):
-    """A rank's MAC ``(head-steps, hits, skipped)`` of the request in ``slot`` (None: not MAC / no diagnostics)."""
-    method = executor.method
-    state = getattr(method, "state", None)
-    if state is None or not getattr(method, "collect_diagnostics", False):
-        return None
-    return state.diagnostics.per_slot[slot].tolist()
+def _request_metrics_part(executor: ModelExecutor, slot: int):
+    """A rank's share of the figures of the request in ``slot`` (``AttentionMethod.request_metrics_part``)."""
+    return executor.method.request_metrics_part(slot)
 
 
 def _build_rank(rank: int, comm, build: tuple, shard) -> ModelExecutor:
@@ -630,11 +624,10 @@ def _worker_main(rank: int, size: int, port: int, device: str, backend: str, tim
                 shard = control.recv(0) if args[-1] else None
                 engines[eid] = _WorkerEngine(_build_rank(rank, comm, args, shard))
             elif op == "prefill":
-                rid, wire, budget = args
+                rows, wires = args
                 eng = engines[eid]
-                if wire is not None:
-                    eng.keep({rid: wire})
-                eng.ex.prefill_part(eng.seqs[rid], budget)
+                eng.keep(wires)
+                eng.ex.prefill_chunks([PrefillChunk(eng.seqs[rid], start, end) for rid, start, end in rows])
             elif op == "decode":
                 engines[eid].decode(*args)
             elif op == "run":

@@ -53,3 +53,24 @@ def test_an_upward_import_breaks_the_contract(tmp_path, module, line, broken):
     done = _lint(root)
     assert done.returncode != 0, done.stdout
     assert broken in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("module, code, broken", [
+    # the GPU decode deciding by the method's class again (issue 42: the engine names no method)
+    ("macattn/runtime/cuda_decode.py", "from macattn.methods.mac.backend import MacAttention",
+     "macattn.runtime.cuda_decode is not allowed to import macattn.methods.mac"),
+    # the engine importing MAC's config type instead of asking the registry; a lazy import counts too
+    ("macattn/runtime/engine.py", "def _mac_config():\n    from macattn.methods.mac.config import MacConfig\n"
+     "    return MacConfig",
+     "macattn.runtime.engine is not allowed to import macattn.methods.mac"),
+    # a tensor-parallel rank combining a method's figures itself
+    ("macattn/runtime/tensor_parallel.py", "from macattn.methods.full.backend import FullAttention",
+     "macattn.runtime.tensor_parallel is not allowed to import macattn.methods.full"),
+])
+def test_a_method_import_in_the_engine_core_breaks_the_contract(tmp_path, module, code, broken):
+    root = _copy_tree(tmp_path)
+    path = root / "python" / module
+    path.write_text(path.read_text() + f"\n\n{code}  # noqa: E402,F401\n")
+    done = _lint(root)
+    assert done.returncode != 0, done.stdout
+    assert broken in done.stdout, done.stdout

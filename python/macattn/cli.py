@@ -91,7 +91,7 @@ def _llm_kwargs(args) -> dict:
     elif args.kv_offload or args.prefix_store or args.completion_maps:
         raise ValueError(f"--kv-offload / --prefix-store / --completion-maps need --method completion, got {method!r}")
     return dict(device=args.device, max_batch_size=args.max_batch_size, method=method,
-                mac=args.per_layer if method == "mac" else None, prefill_chunk=args.prefill_chunk,
+                mac=args.per_layer if method == "mac" else None, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_seq_len=args.max_seq_len, tensor_parallel_size=args.tp, **completion)
 
 
@@ -204,9 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--per-layer", default=None,
                      help="MacConfig JSON (from macattn tune) the OpenAI server's MAC runs (for --repo: pass it "
                           "to macattn triton-repo --per-layer)")
-    srv.add_argument("--prefill-chunk", type=int, default=None,
-                     help="prompt tokens prefilled per engine step, between decode steps (OpenAI server; "
-                          "default: whole prompts)")
+    srv.add_argument("--max-num-batched-tokens", type=int, default=None,
+                     help="token budget of one engine step: the running decodes plus prompt chunks packed into "
+                          "one model call (OpenAI server; default: 8192 on CUDA, whole prompts on the CPU)")
     srv.add_argument("--tp", type=int, default=1,
                      help="tensor-parallel ranks the model is sharded over (OpenAI server; a --repo carries its "
                           "own, from macattn triton-repo --tp)")

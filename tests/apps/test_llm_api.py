@@ -176,3 +176,26 @@ def test_request_metrics_report_its_own_mac_hits():
             seen.append(out.metrics["mac_hit_rate"])
         assert max(seen) > 0 and 0 <= min(seen) <= 1
         assert torch.count_nonzero(d.per_slot) == 0             # released slots are empty again
+
+
+def test_the_overlapped_loop_equals_the_serial_engine(llm):
+    """The LLM's two threads (engine steps back to back, detokenizing / streaming on the output thread) give
+    every request the tokens the engine gives when stepped serially, sampled requests included."""
+    params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=9, temperature=0.8, top_k=20, seed=5),
+              SamplingParams(max_tokens=7, temperature=1.0, top_p=0.9, seed=6), SamplingParams(max_tokens=11)]
+    prompts = PROMPTS + ["Blessed are the meek"]
+    handles = [llm.generate_async(p, sp) for p, sp in zip(prompts, params)]
+    streamed = [[len(s.outputs[0].token_ids) for s in h] for h in handles]
+    outs = [h.result() for h in handles]
+    for counts, out in zip(streamed, outs):
+        assert counts == sorted(counts) and counts[-1] == len(out.outputs[0].token_ids)
+    engine = llm.engine
+    seqs = [engine.make_request(o.prompt_token_ids, sp.engine_params(llm.tokenizer.eos_token_id))
+            for o, sp in zip(outs, params)]
+    for s in seqs:
+        engine.submit(s)
+    with llm._loop().cv:               # step serially, with the loop held off
+        engine.run_to_completion()
+    for s, out in zip(seqs, outs):
+        engine.requests.pop(s.request_id, None)
+        assert s.output == out.outputs[0].token_ids

@@ -1,5 +1,5 @@
-"""Chunked prefill (``RuntimeConfig(prefill_chunk=...)``): a prompt prefilled a chunk per engine step
-between decode steps gives the tokens and logits of the whole-prompt prefill (MAC, full attention,
+"""Chunked prefill (``RuntimeConfig(max_num_batched_tokens=...)``): a prompt prefilled a chunk per engine step
+beside the decodes gives the tokens and logits of the whole-prompt prefill (MAC, full attention,
 FastMKA; fp64), running streams keep getting a token every step while a long prompt is prefilled,
 and methods that build their KV their own way fall back to whole prompts."""
 from __future__ import annotations
@@ -37,11 +37,11 @@ def _mka_model():
 def test_chunked_prefill_equals_whole_prefill(case, chunk):
     ps = prompts(4, seed=21, lo=30, hi=60)
 
-    def engine(prefill_chunk):
+    def engine(budget):
         model = _mka_model() if case == "mka" else tiny_model("llama", seed=2)
         kw = {"method": "full"} if case == "full" else {}
         return lambda: LLMEngine(model, None if case == "full" else MAC,
-                                 RuntimeConfig(max_batch_size=2, max_seq_len=128, prefill_chunk=prefill_chunk), **kw)
+                                 RuntimeConfig(max_batch_size=2, max_seq_len=128, max_num_batched_tokens=budget), **kw)
 
     whole_tokens, whole_logits = _run(engine(None), ps)
     chunk_tokens, chunk_logits = _run(engine(chunk), ps)
@@ -54,7 +54,7 @@ def test_chunked_prefill_equals_whole_prefill(case, chunk):
 
 def test_running_streams_decode_while_a_long_prompt_is_prefilled():
     eng = LLMEngine(tiny_model("llama", seed=2), MAC, RuntimeConfig(max_batch_size=2, max_seq_len=256,
-                                                                   prefill_chunk=8))
+                                                                   max_num_batched_tokens=8))
     short = eng.add_request(prompts(1, seed=3, lo=6, hi=6)[0], max_new_tokens=30)
     eng.step()                                            # the short prompt: one chunk, its first token
     long = eng.add_request(prompts(1, seed=4, lo=100, hi=100)[0], max_new_tokens=4)
@@ -65,7 +65,7 @@ def test_running_streams_decode_while_a_long_prompt_is_prefilled():
         assert short in out and out[short].token is not None      # a token every step, no stall
         if long in out:
             break
-    assert steps_to_first == 13                           # ceil(100 / 8) chunks, the first token with the last
+    assert steps_to_first == 15                           # ceil(100 / 7): the budget less the decode's token
     assert eng.requests[long].num_prefilled == 100
 
 
@@ -76,30 +76,31 @@ def test_methods_with_their_own_prefill_take_whole_prompts():
     cfg = CompletionConfig(n_sink=4, n_tail=8, top_k=3, feature_dim=16, hidden=32)
     model = tiny_model("llama", seed=2)
     maps = completion_maps(model, cfg)
-    eng = LLMEngine(model, None, RuntimeConfig(max_batch_size=2, max_seq_len=128, prefill_chunk=4),
+    eng = LLMEngine(model, None, RuntimeConfig(max_batch_size=2, max_seq_len=128, max_num_batched_tokens=4),
                     method="completion", method_config=cfg, method_kwargs={"maps": maps, "use_op": False})
     rid = eng.add_request(prompts(1, seed=5)[0], max_new_tokens=3)
     assert any(o.request_id == rid and o.token is not None for o in eng.step())   # whole prompt in one step
     eng.run_to_completion()
 
 
-@pytest.mark.parametrize("L,budget,parts", [(11, 5, [5, 4, 2]), (3, 2, [3]), (12, 5, [5, 5, 2]), (7, 1, [])])
-def test_no_part_is_a_single_token(L, budget, parts):
-    """A one-token model call would run as a decode step (MAC would match instead of prefilling)."""
-    eng = LLMEngine(tiny_model("llama", seed=2), MAC, RuntimeConfig(max_batch_size=1, max_seq_len=64))
-    seq = eng.make_request(prompts(1, seed=6, lo=L, hi=L)[0], max_new_tokens=2)
-    eng.submit(seq)
-    eng.scheduler.admit()
+@pytest.mark.parametrize("L,budget,parts", [(11, 5, [5, 5, 1]), (3, 2, [2, 1]), (12, 5, [5, 5, 2]), (7, 2, [2] * 3 + [1])])
+def test_chunks_fill_the_budget(L, budget, parts):
+    """A lone request's prompt is cut into chunks of exactly the budget (the last takes the rest; a
+    one-token chunk is a prefill under the packed plan, not a decode); the first token comes with the last."""
+    eng = LLMEngine(tiny_model("llama", seed=2), MAC, RuntimeConfig(max_batch_size=1, max_seq_len=64,
+                                                                   max_num_batched_tokens=budget))
+    rid = eng.add_request(prompts(1, seed=6, lo=L, hi=L)[0], max_new_tokens=2)
     got = []
-    for _ in range(len(parts) + 1):
-        before = seq.num_prefilled
-        logits, used = eng.executor.prefill_part(seq, budget)
-        if used:
-            got.append(used)
-        assert (logits is not None) == (used > 0 and seq.num_prefilled == L) and seq.num_prefilled == before + used
+    while not eng.requests[rid].output:
+        before = eng.requests[rid].num_prefilled
+        out = eng.step()
+        got.append(eng.requests[rid].num_prefilled - before)
+        assert bool(out) == (eng.requests[rid].num_prefilled == L)
     assert got == parts
 
 
-def test_prefill_chunk_is_validated():
-    with pytest.raises(ValueError, match="prefill_chunk"):
-        RuntimeConfig(prefill_chunk=0)
+def test_max_num_batched_tokens_is_validated():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        RuntimeConfig(max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be > max_batch_size=4"):
+        RuntimeConfig(max_batch_size=4, max_num_batched_tokens=4)

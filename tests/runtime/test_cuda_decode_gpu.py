@@ -246,3 +246,46 @@ def test_two_stage_match_in_the_captured_step():
             assert ((got - want).abs() <= 2.0 ** -7 * want.abs()).all(), f"layer {layer}"
             assert (got == want).float().mean() > 0.99
     assert checked >= 3
+
+
+def test_the_method_owns_its_bucket_plans_and_graph_variants():
+    """The runtime names no method: a bucket's plans are the method's (MAC: one ``MacDecodePlan`` per
+    distinct layer configuration; full attention: the attend-only ``FullDecodePlans``), its captured
+    variants are keyed by ``(greedy, method.decode_graph_key())`` (MAC: ``collect_diagnostics``), MAC's
+    diagnostics are recorded inside the variant that has them only, and ``last_match_pos`` views the
+    latest step's rows."""
+    from macattn.methods.base import FullDecodePlans
+    from macattn.methods.mac.decode_plans import MacDecodePlans, plan_key
+
+    def model():
+        return build_builtin_model("llama", seed=3).to("cuda", torch.bfloat16)
+
+    rc = RuntimeConfig(max_batch_size=4, max_seq_len=512, device="cuda", use_cuda_graphs=True)
+    prompts, script = _prompts(3, seed=13), _script(3, 8, seed=13)
+    mac = MAC.with_overrides({0: {"window": 32}})
+    eng = ForcedEngine(model(), mac, rc, script=script)
+    for i, p in enumerate(prompts):
+        eng.add(i, p, 8)
+    while min(len(s.output) for s in eng.requests.values()) < 3:     # every request decoded
+        eng.step()
+    dec = eng.executor.decoder
+    layers = range(eng.executor.num_layers)
+    for b in dec.buckets.values():
+        assert isinstance(b.plans, MacDecodePlans) and b.plans.page_table is b.page_table
+        assert set(b.plans.plans) == {plan_key(mac.for_layer(layer)) for layer in layers}
+        assert len(b.plans.plans) == 2 and set(b.graphs) == {(True, True)}
+    steps = eng.mac_state.diagnostics.steps.sum().item()
+    assert steps > 0
+    eng.method.collect_diagnostics = False
+    eng.step()                                                       # the three requests: bucket 4
+    assert set(dec.buckets[4].graphs) == {(True, True), (True, False)}
+    assert eng.mac_state.diagnostics.steps.sum().item() == steps     # the variant without diagnostics records none
+    mp = eng.method.last_match_pos
+    assert set(mp) == set(layers) and all(t.shape == (3, eng.method.dims.num_q_heads) for t in mp.values())
+
+    full = ForcedEngine(model(), None, rc, script=script, method="full")
+    for i, p in enumerate(prompts):
+        full.add(i, p, 8)
+    full.run_to_completion()
+    assert all(type(b.plans) is FullDecodePlans and set(b.graphs) == {(True, None)}
+               for b in full.executor.decoder.buckets.values())

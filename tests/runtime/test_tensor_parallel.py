@@ -136,7 +136,7 @@ def test_in_flight_batching_equals_solo_runs():
     for p, n in zip(ps, lengths):
         eng1 = LLMEngine(tp_model("llama").double(), MAC, RuntimeConfig(max_batch_size=1, block_size=8))
         solo.append(_drive(eng1, [(p, n)]))
-    eng = LLMEngine(tp_model("llama").double(), MAC, RuntimeConfig(max_batch_size=2, block_size=8, prefill_chunk=12,
+    eng = LLMEngine(tp_model("llama").double(), MAC, RuntimeConfig(max_batch_size=2, block_size=8, max_num_batched_tokens=12,
                                                           tensor_parallel_size=2))
     try:
         got = _drive(eng, [(ps[0], lengths[0]), (ps[1], lengths[1])], joins={4: [(ps[2], lengths[2])],

@@ -98,7 +98,7 @@ def test_tp2_bf16_builtin_checkpoint_equals_tp1(mac_on):
 def test_tp2_in_flight_batching_on_cuda_equals_tp1():
     ps = [p % 250 for p in _prompts()]
     ref = ModelRunner.from_hf(tp_model("llama"), MAC, runtime_config=_cuda(1)).generate(ps, max_new_tokens=24)
-    runner = ModelRunner.from_hf(tp_model("llama"), MAC, runtime_config=_cuda(2, prefill_chunk=16))
+    runner = ModelRunner.from_hf(tp_model("llama"), MAC, runtime_config=_cuda(2, max_num_batched_tokens=16))
     try:
         assert torch.equal(runner.generate(ps, max_new_tokens=24).cpu(), ref.cpu())
     finally:

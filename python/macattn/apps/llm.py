@@ -167,8 +167,8 @@ class LLM:
     model directory, or a ``*ForCausalLM`` object (then ``tokenizer`` is required). method: the
     attention method (``"mac"``, ``"full"``, …). mac: a ``MacConfig``, a per-layer file from
     ``macattn tune``, ``"off"``, or None (MAC's defaults). dtype: ``"auto"`` or a torch dtype;
-    device, max_batch_size, max_seq_len, quantization, use_cuda_graphs (None: on CUDA), prefill_chunk
-    (prompt tokens per engine step; None: whole prompts), tensor_parallel_size (ranks the model is
+    device, max_batch_size, max_seq_len, quantization, use_cuda_graphs (None: on CUDA), max_num_batched_tokens
+    (the token budget of one engine step; None: 8192 on CUDA, whole prompts on the CPU), tensor_parallel_size (ranks the model is
     sharded over, ``runtime/tensor_parallel.py``): the runtime's (``RuntimeConfig``).
 
     Retrieval-completion (``method="completion"``): ``completion`` its ``CompletionConfig`` (default: the
@@ -182,7 +182,7 @@ class LLM:
     def __init__(self, model: Any = "builtin", *, tokenizer: Any = None, method: str = "mac", mac: Any = None,
                  dtype: Any = "auto", device: str = "cpu", max_batch_size: int = 8, max_seq_len: int | None = None,
                  quantization: str | None = None, use_cuda_graphs: bool | None = None,
-                 prefill_chunk: int | None = None, tensor_parallel_size: int = 1, completion: Any = None,
+                 max_num_batched_tokens: int | None = None, tensor_parallel_size: int = 1, completion: Any = None,
                  completion_maps: Any = None, kv_offload: str | None = None, offload: Any = None,
                  prefix_store: Any = None) -> None:
         self._engine_loop: _EngineLoop | None = None
@@ -196,7 +196,7 @@ class LLM:
             raise ValueError(f"mac is MAC's configuration; method={method!r} takes none")
         rc = RuntimeConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device,
                            use_cuda_graphs=device.startswith("cuda") if use_cuda_graphs is None else use_cuda_graphs,
-                           quantization=quantization, prefill_chunk=prefill_chunk,
+                           quantization=quantization, max_num_batched_tokens=max_num_batched_tokens,
                            tensor_parallel_size=tensor_parallel_size)
         engine_method, method_config, method_kwargs = completion_method(
             hf, method, completion=completion, maps=completion_maps, kv_offload=kv_offload, offload=offload,
@@ -302,13 +302,12 @@ class LLM:
         return seq, sp, out
 
 
-def _record(engine: LLMEngine, tokenizer, step, seq, sp: SamplingParams, out: RequestOutput, times: list,
-            start: float) -> None:
-    """Fold one ``StepOutput`` into ``out``: token, logprobs / logits, text, stop conditions, metrics."""
+def _record(tokenizer, step, sp: SamplingParams, out: RequestOutput, times: list) -> str | None:
+    """Fold one ``StepOutput`` into ``out``: token, logprobs / logits, text, stop conditions. Returns the
+    finish reason when the request ends here (the caller then frees it and sets ``out``'s metrics)."""
     comp = out.outputs[0]
-    now = time.perf_counter()
     if step.token is not None:
-        times.append(now)
+        times.append(time.perf_counter())
         comp.token_ids.append(step.token)
         if sp.logprobs is not None or sp.return_generation_logits:
             _logits(step, sp, comp)
@@ -325,11 +324,16 @@ def _record(engine: LLMEngine, tokenizer, step, seq, sp: SamplingParams, out: Re
     comp.text = text
     if reason is not None:
         comp.finish_reason, comp.stop_reason, out.finished = reason, stop, True
-        engine.abort(seq.request_id)          # frees the slot now (no-op if it already finished)
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        out.metrics = {"ttft_s": times[0] - start if times else None,
-                       "inter_token_latency_s": sum(gaps) / len(gaps) if gaps else None,
-                       "e2e_s": now - start, "num_generated_tokens": len(comp.token_ids), **seq.metrics}
+    return reason
+
+
+def _finish_metrics(seq, out: RequestOutput, times: list, start: float) -> None:
+    """``out.metrics`` of a finished request (latencies and the method's figures of ``seq``)."""
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    out.metrics = {"ttft_s": times[0] - start if times else None,
+                   "inter_token_latency_s": sum(gaps) / len(gaps) if gaps else None,
+                   "e2e_s": time.perf_counter() - start, "num_generated_tokens": len(out.outputs[0].token_ids),
+                   **seq.metrics}
 
 
 def _logits(step, sp: SamplingParams, comp: CompletionOutput) -> None:
@@ -428,18 +432,26 @@ class RequestHandle:
 
 
 class _EngineLoop:
-    """The thread that steps the engine for every handle (module doc). The engine is touched only
-    under ``cv``'s lock; a failing step fails every request in flight with its exception."""
+    """Two threads serve every handle (module doc). The engine thread steps the engine back to back
+    (it is touched only under ``cv``'s lock) and hands each step's raw ``StepOutput``s to the output
+    thread, which detokenizes, checks stop strings, builds the snapshots and streams them while the
+    engine runs the next step (the host work of step n overlaps the GPU's step n + 1). A request that a
+    stop string ends is freed through the engine lock right after; a step the engine ran for it
+    meanwhile is dropped. A failing step fails every request in flight with its exception."""
 
     def __init__(self, llm: LLM) -> None:
         self.engine, self.tokenizer = llm.engine, llm.tokenizer     # not the LLM: it may be collected
         self.cv = threading.Condition()
         self.live: dict[int, tuple] = {}          # request_id -> (handle, seq, sp, out, token times, start)
+        self.live_lock = threading.Lock()         # ``live`` is read by both threads
         self.stopped = False
         self._waiters = 0                         # callers waiting for ``cv`` (the loop then steps aside)
         self._waiters_lock = threading.Lock()
+        self._outputs: queue.SimpleQueue = queue.SimpleQueue()    # lists of StepOutput; None ends the thread
         self.thread = threading.Thread(target=self._run, name="macattn-engine-loop", daemon=True)
+        self.out_thread = threading.Thread(target=self._emit, name="macattn-output", daemon=True)
         self.thread.start()
+        self.out_thread.start()
 
     @contextmanager
     def _turn(self):
@@ -459,16 +471,22 @@ class _EngineLoop:
         with self._turn():
             if self.stopped:
                 raise RuntimeError("the LLM was shut down")
+            with self.live_lock:
+                self.live[seq.request_id] = (handle, seq, sp, out, [], time.perf_counter())
             self.engine.submit(seq)
-            self.live[seq.request_id] = (handle, seq, sp, out, [], time.perf_counter())
             self.cv.notify()
         return handle
 
-    def abort(self, request_id: int) -> None:
+    def _release(self, request_id: int) -> None:
+        """Free a request's engine resources (no-op if it already finished)."""
         with self._turn():
-            entry = self.live.pop(request_id, None)
             self.engine.abort(request_id)
             self.engine.requests.pop(request_id, None)
+
+    def abort(self, request_id: int) -> None:
+        with self.live_lock:
+            entry = self.live.pop(request_id, None)
+        self._release(request_id)
         if entry is not None and not entry[3].finished:
             entry[3].outputs[0].finish_reason = "abort"
             entry[3].finished = True
@@ -479,35 +497,47 @@ class _EngineLoop:
             self.stopped = True
             self.cv.notify()
         self.thread.join()
-        for rid in list(self.live):
+        self._outputs.put(None)
+        self.out_thread.join()
+        with self.live_lock:
+            rids = list(self.live)
+        for rid in rids:
             self.abort(rid)
 
     def _run(self) -> None:
         while True:
             with self.cv:
-                while not self.live and not self.stopped:
+                while not self.engine.has_unfinished() and not self.stopped:
                     self.cv.wait()
                 if self.stopped:
                     return
                 try:
-                    self._step()
+                    steps = self.engine.step()
+                    if steps:
+                        self._outputs.put(steps)
                 except BaseException as exc:     # noqa: BLE001 - handed to every waiter
-                    for rid, (handle, *_rest) in list(self.live.items()):
+                    with self.live_lock:
+                        failed, self.live = self.live, {}
+                    for rid, (handle, *_rest) in failed.items():
                         self.engine.abort(rid)
                         self.engine.requests.pop(rid, None)
                         handle._push(exc)
-                    self.live.clear()
             while self._waiters and not self.stopped:      # let waiting callers take the lock first
                 time.sleep(0.0005)
 
-    def _step(self) -> None:
-        for step in self.engine.step():
-            entry = self.live.get(step.request_id)
-            if entry is None:
-                continue
-            handle, seq, sp, out, times, start = entry
-            _record(self.engine, self.tokenizer, step, seq, sp, out, times, start)
-            handle._push(_snapshot(out))
-            if out.finished:
-                del self.live[step.request_id]
-                self.engine.requests.pop(step.request_id, None)
+    def _emit(self) -> None:
+        while (steps := self._outputs.get()) is not None:
+            for step in steps:
+                with self.live_lock:
+                    entry = self.live.get(step.request_id)
+                if entry is None:
+                    continue
+                handle, seq, sp, out, times, start = entry
+                if _record(self.tokenizer, step, sp, out, times) is None:
+                    handle._push(_snapshot(out))
+                    continue
+                with self.live_lock:
+                    self.live.pop(step.request_id, None)
+                self._release(step.request_id)       # frees the slot now (the method's figures are final)
+                _finish_metrics(seq, out, times, start)
+                handle._push(_snapshot(out))

@@ -9,7 +9,7 @@ from macattn.methods.full.backend import FullAttention
 from macattn.methods.mac.backend import MacAttention
 from macattn.methods.mka.backend import FastMka
 
-__all__ = ["METHODS", "ATTENTION_METHODS", "method_class", "register"]
+__all__ = ["METHODS", "ATTENTION_METHODS", "method_class", "register", "build_method"]
 
 METHODS: dict[str, type[AttentionMethod]] = {
     FullAttention.name: FullAttention,
@@ -49,3 +49,13 @@ def method_class(name: str) -> type[AttentionMethod]:
     if name not in ATTENTION_METHODS:
         raise ValueError(f"method must be one of {list(ATTENTION_METHODS)}, got {name!r}")
     return METHODS[name]
+
+
+def build_method(name: str, dims, *, num_slots: int, config=None) -> AttentionMethod:
+    """An instance of any registered method (``a3`` and ``mka`` included: the engine builds the prefill
+    strategy and the composing method this way, without naming their classes) with ``config`` as the
+    engine runs it (``engine_config``: None = the method's default)."""
+    if name not in METHODS:
+        raise ValueError(f"method must be one of {list(METHODS)}, got {name!r}")
+    cls = METHODS[name]
+    return cls(cls.engine_config(config), dims, num_slots=num_slots)

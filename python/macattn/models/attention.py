@@ -78,8 +78,9 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     q_pre = b.q_pre.pop(layer, None)
     if q_pre is not None:
         q_pre = q_pre.view(B, T, Hq, d).transpose(1, 2)     # [B, Hq, T, d]
-    run = b.method.prefill if T > 1 else b.method.decode
-    out = run(module, layer, query, key, value, q_pre, attention_mask, float(scaling), b.current_step,
+    step = b.current_step
+    run = b.method.prefill if T > 1 or step.prefill is not None else b.method.decode
+    out = run(module, layer, query, key, value, q_pre, attention_mask, float(scaling), step,
               b.fallback(), dropout=dropout, **kwargs)
     return out, None
 

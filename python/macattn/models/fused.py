@@ -190,7 +190,7 @@ class _FusedLayer(nn.Module):
 
 
 class FusedForward(nn.Module):
-    """``forward(input_ids [B, T], position_ids [B, T], attention_mask, past_key_values)`` ->
+    """``forward(input_ids [B, T], position_ids [B, T], attention_mask, past_key_values, logits_at)`` ->
     logits ``[B, V]`` of the last position, in the model's dtype promoted as transformers does.
 
     model: a bound (``macattn.models.attention.bind``) LLaMA / Qwen2 / Mistral ``*ForCausalLM``;
@@ -215,7 +215,9 @@ class FusedForward(nn.Module):
         self.kernels = kernels_for(self.lm_head.weight.device)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
-                past_key_values=None) -> torch.Tensor:
+                past_key_values=None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits_at [n]`` int64 (indices into the ``B * T`` tokens): the logits ``[n, V]`` of those
+        tokens (a packed prefill's last token per request) instead of each row's last position."""
         B, T = input_ids.shape
         k = self.kernels
         hidden = self.embed(input_ids)
@@ -229,6 +231,8 @@ class FusedForward(nn.Module):
             m = layer.mlp(h, k)
             nxt = layers[i + 1].ln1 if i + 1 < len(layers) else self.norm
             h, residual = k.add_rms_norm(m, residual, nxt.weight, nxt.variance_epsilon)
+        if logits_at is not None:
+            return self.lm_head(h.index_select(0, logits_at))
         return self.lm_head(h.view(B, T, -1)[:, -1])
 
     def weight_bytes(self) -> int:

@@ -1,7 +1,7 @@
 """Full attention as an ``AttentionMethod``: prefill is the model's own attention; decode is
 softmax attention of each request's token over ``[0, m]`` — the plain-torch reference on the
-CPU, the bucket's plan over the paged pool under the runtime on CUDA (``MacDecodePlan.run_full``,
-the same split-KV kernel MAC's misses run)."""
+CPU, the bucket's plans over the paged pool under the runtime on CUDA (the default ``decode_plans``,
+``FullDecodePlans.attend_full``: ``MacDecodePlan.run_full``, the same split-KV kernel MAC's misses run)."""
 from __future__ import annotations
 
 from typing import ClassVar

@@ -2,7 +2,8 @@
 rings; decode matches the pre-RoPE query against the ring, reuses the matched step's rectified
 summary and recomputes band + tail (``torch.ops.macattn.mac_match`` / ``mac_attend``: the
 Triton kernels on CUDA once ``macattn.methods.kernels.register_kernels()`` ran, the reference
-elsewhere), or — under the runtime on CUDA — the bucket's ``MacDecodePlan`` over the paged pool.
+elsewhere), or — under the runtime on CUDA — the bucket's ``MacDecodePlans`` over the paged pool
+(``decode_plans``: one ``MacDecodePlan`` per layer configuration; ``macattn.methods.mac.decode_plans``).
 ``MacConfig(match="two_stage")``: the two-stage match (the reference function off the runtime's GPU
 path, the plan's Triton kernels on it) over the state's sketch ring, which every append keeps.
 A layer with a calibrated threshold (``match_scale``) matches and stores ``q~ / s`` (``match_query``):
@@ -17,12 +18,13 @@ import torch
 
 from macattn.core.attention import check_no_padding, full_attention_reference
 from macattn.core.indexing import index_store_
-from macattn.methods.base import AttentionMethod, Capabilities, ModelDims, StepContext
+from macattn.methods.base import AttentionMethod, Capabilities, DecodeGeometry, DecodeRows, ModelDims, StepContext
 from macattn.methods.mac import ops  # noqa: F401  (defines torch.ops.macattn.mac_match / mac_attend)
 from macattn.methods.mac.config import ENGINE_MISS_POLICIES, MacConfig
+from macattn.methods.mac.decode_plans import MacDecodePlans
 from macattn.methods.mac.match_sketch import sketch
-from macattn.methods.mac.reference import mac_match_two_stage_reference, rectified_summaries_reference
-from macattn.methods.mac.seeding import seed_rings_
+from macattn.methods.mac.reference import mac_match_two_stage_reference
+from macattn.methods.mac.seeding import seed_rings_, tail_summaries
 from macattn.methods.mac.state import MacState
 
 __all__ = ["MacAttention"]
@@ -76,11 +78,53 @@ class MacAttention(AttentionMethod):
         acc = torch.promote_types(q_pre.dtype, torch.float32)
         return (q_pre.to(acc) * inv.to(q_pre.device, acc)).to(q_pre.dtype)
 
+    @classmethod
+    def default_config(cls) -> MacConfig:
+        """MAC disabled: every step runs full attention through MAC's ops (the engine's ``mac_config=None``)."""
+        return MacConfig(enabled=False)
+
+    @classmethod
+    def engine_config(cls, config: MacConfig | None = None) -> MacConfig:
+        """``config`` (None: disabled), refused with ``ValueError`` when a layer asks for a miss policy or a
+        match the engine does not run (``MacConfig.require_engine_support``)."""
+        config = super().engine_config(config)
+        config.require_engine_support("ModelRunner")
+        return config
+
     def slot_states(self):
         return {"mac": self.state}
 
     def request_metrics(self, slot: int) -> dict[str, float]:
         return self.state.diagnostics.request(slot) if self.collect_diagnostics else {}
+
+    def request_metrics_part(self, slot: int) -> list[float] | None:
+        """The slot's ``(head-steps, hits, skipped)`` over this rank's heads (None: no diagnostics)."""
+        return self.state.diagnostics.per_slot[slot].tolist() if self.collect_diagnostics else None
+
+    def combine_request_metrics(self, parts: list) -> dict[str, float]:
+        """The hit rate and skipped prefix of the counts summed over the ranks' heads."""
+        parts = [p for p in parts if p is not None]
+        return self.state.diagnostics.request_of([sum(c) for c in zip(*parts)]) if parts else {}
+
+    # --- the runtime's GPU decode (per batch bucket) -------------------------------------------
+    def decode_plans(self, geometry: DecodeGeometry, rows: DecodeRows) -> MacDecodePlans:
+        """One ``MacDecodePlan`` per distinct layer configuration (``MacDecodePlans``)."""
+        return MacDecodePlans(geometry, rows, self.config, self.dims.num_layers)
+
+    def decode_graph_key(self) -> bool:
+        """``collect_diagnostics``: the step with the diagnostics' accumulation is its own captured variant."""
+        return self.collect_diagnostics
+
+    def record_decode_step(self, plans: MacDecodePlans | None, key: bool) -> None:
+        """With diagnostics on (``key``), the step's hit / skip / gap per layer and per request slot from the
+        plans' ``match_pos`` (inside the captured step: no host work per step)."""
+        if key and plans is not None:
+            plans.record_diagnostics(self.state.diagnostics)
+
+    def decode_step_done(self, plans: MacDecodePlans | None, batch_size: int) -> None:
+        """``last_match_pos``: the step's decisions, views of the plans' buffers (sliced when read)."""
+        if plans is not None and plans.match_pos:
+            self.last_match_pos = plans.latest_match_pos(batch_size)
 
     # --- plain transformers use (no runtime) -------------------------------------------------
     def start_batch(self, batch_size: int) -> None:
@@ -108,27 +152,43 @@ class MacAttention(AttentionMethod):
         S = key.shape[2]
         params = self.config.for_layer(layer)
         q_pre = self.match_query(layer, q_pre)
+        if step.prefill is not None:         # a packed call: attend, then seed each segment's ring row
+            out = step.prefill.attend(layer, query, key, value, scale)
+            for i, seg in enumerate(step.prefill.segments):
+                part = slice(seg.offset, seg.offset + seg.length)
+                k, v = step.prefill.segment_kv(layer, i, key, value)
+                self._seed(layer, torch.tensor([seg.slot], dtype=torch.int64, device=query.device), params,
+                           query[:, :, part], q_pre[:, :, part], k, v, scale)
+            return out
         out, _ = fallback(module, query, key, value, attention_mask, scaling=scale, **kwargs)
         if S == T and layer == 0 and step.slots is None:
             self.start_batch(B)
         slots = self._slots(step)
         if slots is None:
             raise RuntimeError("MAC prefill of a continued sequence without a batch; call start_batch first")
-        if S == T:   # a fresh prompt: reset and seed whole ring rows with tensor ops (traceable)
-            seed_rings_(self._rings(step, layer), slots.to(query.device), query, q_pre, key, value,
-                        band=params.band, scale=scale)
-            if step.rings is None:
-                self.state.sketch_rows_(layer, slots.to(query.device))
-            return out
-        if step.rings is not None:
+        if S != T and step.rings is not None:
             raise NotImplementedError("graph export supports prefill of a fresh prompt only")
-        # a prompt continued in chunks: seed the chunk's positions on top of the ring
+        self._seed(layer, slots.to(query.device), params, query, q_pre, key, value, scale, rings=step.rings)
+        return out
+
+    def _seed(self, layer: int, slots: torch.Tensor, params, query, q_pre, key, value, scale: float,
+              rings=None) -> None:
+        """Seed ring rows ``slots [B]`` from a prefill call: ``query / q_pre [B, Hq, T, d]`` at the last
+        ``T`` positions of ``key / value [B, Hkv, S, d]``. A fresh prompt (``S == T``) resets and seeds
+        whole rows with tensor ops (traceable; ``rings``: the export's explicit ring tensors); a chunk
+        after earlier ones writes its last ``min(K, T)`` positions on top of the row."""
+        T, S = query.shape[2], key.shape[2]
+        if S == T:
+            seed_rings_(self._rings(StepContext(rings=rings), layer), slots, query, q_pre, key, value,
+                        band=params.band, scale=scale)
+            if rings is None:
+                self.state.sketch_rows_(layer, slots)
+            return
         n = min(params.window, T)
+        summ = tail_summaries(query[:, :, T - n:], key, value, band=params.band, scale=scale)
         qpos = torch.arange(S - n, S, device=query.device)
-        summ = rectified_summaries_reference(query[:, :, T - n:], key, value, qpos, band=params.band, scale=scale)
         for b, slot in enumerate(slots.tolist()):
             self.state.seed(layer, slot, qpos, q_pre[b, :, T - n:], type(summ)(summ.o[b], summ.lse[b]))
-        return out
 
     def decode(self, module, layer, query, key, value, q_pre, attention_mask, scale, step, fallback, **kwargs):
         B, Hq, _, d = query.shape

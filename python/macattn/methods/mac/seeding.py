@@ -22,9 +22,59 @@ from __future__ import annotations
 import torch
 
 from macattn.core.attention import expand_kv_heads
-from macattn.core.summaries import summarize
+from macattn.core.summaries import AttentionSummary, summarize
+from macattn.methods.mac.reference import rectified_summaries_reference
 
-__all__ = ["seeded_ring_rows", "seed_rings_"]
+__all__ = ["seeded_ring_rows", "seed_rings_", "tail_summaries", "fused_seeding_applies"]
+
+
+def fused_seeding_applies(query: torch.Tensor) -> bool:
+    """Whether ``tail_summaries`` takes the fused kernel for ``query``: CUDA, half / bf16, head dim <= 256,
+    and not while tracing (export runs the traceable reference)."""
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256
+            and not torch.jit.is_tracing() and not torch.compiler.is_compiling())
+
+
+def tail_summaries(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, band: int,
+                   scale: float) -> AttentionSummary:
+    """Rectified summaries of the last ``n`` positions of a sequence of ``S``: ``query [B, Hq, n, d]``
+    (post-RoPE) at positions ``t = S - n .. S - 1`` of ``key / value [B, Hkv, S, d]``; entry ``t`` is
+    ``AS^{(t)}_{[0, t - band]}`` (SPEC §1.4), empty (``o = 0``, ``lse = -inf``) where ``t - band < 0``.
+    Returns o ``[B, Hq, n, d]`` fp32, lse ``[B, Hq, n]`` fp32 (fp64 for fp64 inputs).
+
+    On CUDA (``fused_seeding_applies``) this is one flash-attention call with its log-sum-exp: the
+    queries over keys ``0 .. S - band - 1`` with the causal mask aligned to the bottom right (query
+    ``i`` sees keys ``<= i + S - band - n = t - band``), GQA without expanding heads; o then carries the
+    kernel's bf16 / fp16 rounding. Elsewhere the fp32 / fp64 reference (``rectified_summaries_reference``)."""
+    B, Hq, n, d = query.shape
+    S = key.shape[2]
+    qpos = torch.arange(S - n, S, device=query.device)
+    if not fused_seeding_applies(query) or S - band <= 0:
+        return rectified_summaries_reference(query, key, value, qpos, band=band, scale=scale)
+    k, v = key[:, :, : S - band], value[:, :, : S - band]
+    if k.shape[1] != Hq and not _native_gqa(query, k, v, scale):
+        k, v = expand_kv_heads(k, Hq), expand_kv_heads(v, Hq)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        query.contiguous(), k, v, 0.0, is_causal=True, return_debug_mask=False, scale=scale)[:2]
+    empty = (qpos < band).view(1, 1, n)
+    o = torch.where(empty.unsqueeze(-1), 0.0, out.float())
+    return AttentionSummary(o, torch.where(empty, float("-inf"), lse.float()))
+
+
+_GQA_OK: dict = {}
+
+
+def _native_gqa(query, k, v, scale) -> bool:
+    """Whether this torch's flash kernel takes fewer KV heads than query heads (asked once per device)."""
+    dev = query.device
+    if dev not in _GQA_OK:
+        try:
+            torch.ops.aten._scaled_dot_product_flash_attention(query[:, :, :1].contiguous(), k[:, :, :1], v[:, :, :1],
+                                                             0.0, is_causal=True, return_debug_mask=False, scale=scale)
+            _GQA_OK[dev] = True
+        except RuntimeError:
+            _GQA_OK[dev] = False
+    return _GQA_OK[dev]
 
 
 def seeded_ring_rows(query: torch.Tensor, q_pre: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
@@ -46,14 +96,20 @@ def seeded_ring_rows(query: torch.Tensor, q_pre: torch.Tensor, key: torch.Tensor
     t_col = first + torch.remainder(col - first, K)                  # [K]: position held by column c
     valid = t_col >= 0                                               # False only while L < K
     idx = torch.where(valid, t_col, torch.zeros_like(t_col))
-    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-    kf = expand_kv_heads(key, Hq).to(acc)
-    vf = expand_kv_heads(value, Hq).to(acc)
-    q_sel = query.index_select(2, idx).to(acc)                       # [B, Hq, K, d]
-    logits = torch.einsum("bhnd,bhtd->bhnt", q_sel, kf) * scale     # [B, Hq, K, L]
-    t = torch.arange(L, device=query.device)
-    mask = t.view(1, -1) <= (t_col.view(-1, 1) - band)              # [K, L]
-    summ = summarize(logits, vf.unsqueeze(2), mask)                 # o [B, Hq, K, d], lse [B, Hq, K]
+    if fused_seeding_applies(query):
+        n = min(K, L)                                                # the kept tail, in position order
+        summ = tail_summaries(query[:, :, L - n:], key, value, band=band, scale=scale)
+        j = torch.where(valid, t_col - (L - n), torch.zeros_like(t_col))
+        summ = AttentionSummary(summ.o.index_select(2, j), summ.lse.index_select(2, j))
+    else:
+        acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+        kf = expand_kv_heads(key, Hq).to(acc)
+        vf = expand_kv_heads(value, Hq).to(acc)
+        q_sel = query.index_select(2, idx).to(acc)                   # [B, Hq, K, d]
+        logits = torch.einsum("bhnd,bhtd->bhnt", q_sel, kf) * scale  # [B, Hq, K, L]
+        t = torch.arange(L, device=query.device)
+        mask = t.view(1, -1) <= (t_col.view(-1, 1) - band)          # [K, L]
+        summ = summarize(logits, vf.unsqueeze(2), mask)             # o [B, Hq, K, d], lse [B, Hq, K]
     q_rows = torch.where(valid.view(1, 1, K, 1), q_pre.index_select(2, idx), 0.0)
     o_rows = torch.where(valid.view(1, 1, K, 1), summ.o.float(), 0.0)
     lse_rows = torch.where(valid.view(1, 1, K), summ.lse.float(), float("-inf"))

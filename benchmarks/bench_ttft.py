@@ -1,0 +1,136 @@
+"""Time to first token through the engine (no HTTP): ``LLMEngine`` on the device, LLaMA-3.1-8B shapes
+(random bf16 weights), prompts of random ids, each request asking for one token.
+
+    python benchmarks/bench_ttft.py --device cuda                        # 1x1K, 16x1K, 1x8K, 1x32K, 4x32K
+    python benchmarks/bench_ttft.py --device cuda --budgets 4096 8192 16384 --mixes 1x32768
+    python benchmarks/bench_ttft.py --dry-run                            # CPU, tiny shapes: checks the script
+
+For each prompt mix (``BxL``: B prompts of L tokens submitted together), token budget
+(``RuntimeConfig.max_num_batched_tokens``; 0 = whole prompts) and MAC on / off, the wall time from
+submitting the prompts to the last one's first token (``torch.cuda.synchronize`` before reading the
+clock), median of ``--reps`` after a warm-up run of the same mix. MAC on minus MAC off is the cost of
+seeding the rings (the prefill is otherwise the same). The prefill floor of the same mix, measured in
+the same process by ``bench_prefill_floor`` when it is importable, is printed beside each figure.
+JSON (device and UUID, versions, every figure) under ``benchmarks/results/``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_e2e import LLAMA_8B, TINY, build_model  # noqa: E402
+
+from macattn.methods.mac.config import MacConfig  # noqa: E402
+from macattn.models.attention import unbind  # noqa: E402
+from macattn.runtime.config import RuntimeConfig  # noqa: E402
+from macattn.runtime.engine import LLMEngine  # noqa: E402
+
+BUDGET_FIELD = next((f for f in ("max_num_batched_tokens", "prefill_chunk")
+                     if f in {x.name for x in dataclasses.fields(RuntimeConfig)}), None)
+
+
+def parse_mix(text: str) -> tuple[int, int]:
+    b, l = text.lower().split("x")
+    return int(b), int(l)
+
+
+def ttft(model, B: int, L: int, budget: int, mac: bool, device: str, reps: int, seed: int = 0) -> list[float]:
+    """Seconds from submitting ``B`` prompts of ``L`` tokens to the last first token, ``reps`` times
+    (after one warm-up)."""
+    rc = RuntimeConfig(max_batch_size=B, max_seq_len=L + 8, device=device,
+                       use_cuda_graphs=device.startswith("cuda"), **{BUDGET_FIELD: budget or None})
+    if BUDGET_FIELD == "max_num_batched_tokens" and not budget and device.startswith("cuda"):
+        rc = dataclasses.replace(rc, max_num_batched_tokens=10**9)      # "whole prompts" on CUDA too
+    eng = LLMEngine(model, MacConfig() if mac else MacConfig(enabled=False), rc)
+    g = torch.Generator().manual_seed(seed)
+    times = []
+    try:
+        for rep in range(reps + 1):
+            ids = [eng.add_request(torch.randint(300, eng.vocab_size, (L,), generator=g), max_new_tokens=1)
+                   for _ in range(B)]
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            while eng.has_unfinished():
+                eng.step()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            if rep:
+                times.append(time.perf_counter() - t0)
+            for i in ids:
+                eng.pop_finished(i)
+    finally:
+        eng.close()
+        unbind(model)
+    return times
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--mixes", nargs="+", default=["1x1024", "16x1024", "1x8192", "1x32768", "4x32768"])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[8192], help="token budgets; 0 = whole prompts")
+    ap.add_argument("--mac", nargs="+", default=["on", "off"], choices=["on", "off"])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--floor", action="store_true", help="measure the prefill floor of each mix (bench_prefill_floor)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    shapes = TINY if args.dry_run else LLAMA_8B
+    if args.dry_run:
+        args.mixes, args.reps = ["1x64", "3x40"], 1
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = build_model(shapes, dtype, args.device)
+    floor_of = None
+    if args.floor:
+        try:
+            from bench_prefill_floor import prefill_floor as floor_of     # noqa: PLC0415
+        except ImportError as exc:
+            print(f"no floor: {exc}")
+    rows = []
+    for mix in args.mixes:
+        B, L = parse_mix(mix)
+        floor = floor_of(shapes, [L] * B, dtype=dtype, device=args.device) if floor_of else None
+        for budget in args.budgets:
+            for mac in args.mac:
+                ts = ttft(model, B, L, budget, mac == "on", args.device, args.reps)
+                rec = {"mix": mix, "B": B, "L": L, "budget": budget, "mac": mac, "ttft_s": statistics.median(ts),
+                       "ttft_all_s": ts, "floor_s": floor["total_s"] if floor else None, "floor": floor}
+                rec["x_floor"] = rec["ttft_s"] / rec["floor_s"] if rec["floor_s"] else None
+                rows.append(rec)
+                print(f"{mix:>9} budget {budget or 'whole':>6} mac {mac:>3}: TTFT {rec['ttft_s'] * 1e3:9.1f} ms"
+                      + (f"  floor {rec['floor_s'] * 1e3:8.1f} ms  x{rec['x_floor']:.2f}" if rec["floor_s"] else ""),
+                      flush=True)
+    for r in rows:      # MAC's seeding cost: on over off at the same mix and budget
+        off = next((o for o in rows if o["mix"] == r["mix"] and o["budget"] == r["budget"] and o["mac"] == "off"), None)
+        if r["mac"] == "on" and off:
+            r["mac_over_off"] = r["ttft_s"] / off["ttft_s"]
+    print(f"{'mix':>9} {'budget':>7} {'mac':>4} {'TTFT ms':>9} {'floor ms':>9} {'x floor':>8} {'on/off':>7}")
+    for r in rows:
+        print(f"{r['mix']:>9} {r['budget'] or 'whole':>7} {r['mac']:>4} {r['ttft_s'] * 1e3:9.1f} "
+              f"{(r['floor_s'] or float('nan')) * 1e3:9.1f} {(r['x_floor'] or float('nan')):8.2f} "
+              f"{r.get('mac_over_off', float('nan')):7.3f}")
+    dev = torch.cuda.get_device_name() if cuda else f"{platform.machine()} CPU"
+    report = {"benchmark": "bench_ttft", "device": dev,
+              "device_uuid": str(torch.cuda.get_device_properties(0).uuid) if cuda else None,
+              "torch": torch.__version__, "budget_field": BUDGET_FIELD, "args": vars(args), "rows": rows}
+    if not args.dry_run or args.out:
+        tag = "cpu" if not cuda else dev.split()[1].lower()
+        out = Path(args.out or Path(__file__).parent / "results" / f"bench_ttft_{tag}.json")
+        out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

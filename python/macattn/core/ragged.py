@@ -1,0 +1,135 @@
+"""Packed (ragged) prefill attention: several requests' prompt chunks in one model call, no masks.
+
+A packed call runs ``N`` tokens as one row (``[1, N]``): segment ``i`` is request ``i``'s chunk of
+``length`` tokens at prompt positions ``start .. start + length - 1``, its tokens at
+``offset .. offset + length - 1`` of the call (FlashAttention's ``cu_seqlens`` layout). The call writes
+every token's K/V into the paged pool first; a segment with ``start > 0`` then attends to its
+earlier positions through their pool rows (``history``).
+
+Each segment's causal attention is one call of torch's ``scaled_dot_product_attention`` on contiguous
+tensors: ``is_causal`` for a fresh segment (``start == 0``: the square causal mask, which every fused
+backend takes), ``causal_lower_right`` for a chunk after earlier chunks (query ``j`` of the chunk sees
+keys ``0 .. start + j``; flash / memory-efficient kernels take it without a mask). No ``n x n`` mask
+is ever materialised. On CUDA the backends are tried in ``CUDA_BACKENDS`` order, chosen by
+measurement (``benchmarks/bench_prefill_floor.py``; ``benchmarks/NOTES.md``, "Prefill attention").
+
+``ragged_attention_reference`` is the plain-torch definition (explicit masks, fp32 / fp64) the tests
+hold the packed path against.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+from macattn.core.attention import expand_kv_heads
+
+__all__ = ["PrefillSegment", "RaggedPrefill", "causal_attention", "ragged_attention_reference", "CUDA_BACKENDS"]
+
+# SDPA backends for prefill on CUDA, in priority order (the dispatcher skips one that cannot take the
+# inputs, e.g. cuDNN without GQA support on an older torch); the measured reason is in NOTES.
+CUDA_BACKENDS = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH)
+
+
+@dataclass(frozen=True)
+class PrefillSegment:
+    """One request's chunk in a packed call.
+
+    offset: index of its first token in the call; length: its tokens (>= 1); start: prompt position of
+    its first token; slot: its state row; history: ``[start]`` int64 pool rows of positions
+    ``0 .. start - 1`` on the pool's device (None when ``start == 0``)."""
+
+    offset: int
+    length: int
+    start: int
+    slot: int
+    history: torch.Tensor | None = None
+
+    @property
+    def end(self) -> int:
+        """Prompt position after its last token."""
+        return self.start + self.length
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q [1, Hq, Q, d]`` at the last ``Q`` positions of ``k, v [1, Hkv, S, d]`` (``S >= Q``), causal:
+    query ``j`` sees keys ``0 .. S - Q + j``. Returns ``[1, Hq, Q, d]`` in ``q``'s dtype."""
+    Q, S = q.shape[2], k.shape[2]
+    ctx = sdpa_kernel(CUDA_BACKENDS, set_priority=True) if q.is_cuda else contextlib.nullcontext()
+    with ctx:
+        if Q == S:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(Q, S), scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+
+
+class RaggedPrefill:
+    """The per-call plan of a packed prefill (``StepContext.prefill``), built by the runtime.
+
+    segments: the call's ``PrefillSegment``s in token order; k_pool / v_pool: per layer the flat paged
+    pools ``[rows, Hkv, d]`` (already holding this call's K/V when a layer's attention runs).
+    """
+
+    def __init__(self, segments: list[PrefillSegment], k_pool: list[torch.Tensor], v_pool: list[torch.Tensor]) -> None:
+        if not segments:
+            raise ValueError("a packed prefill needs at least one segment")
+        self.segments = tuple(segments)
+        self.k_pool, self.v_pool = k_pool, v_pool
+        self.num_tokens = segments[-1].offset + segments[-1].length
+
+    @property
+    def slots(self) -> list[int]:
+        return [s.slot for s in self.segments]
+
+    def last_token_indices(self) -> list[int]:
+        """Index in the call of each segment's last token (whose logits the runtime keeps)."""
+        return [s.offset + s.length - 1 for s in self.segments]
+
+    def segment_kv(self, layer: int, i: int, key: torch.Tensor, value: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Segment ``i``'s keys / values of positions ``0 .. end - 1``, ``[1, Hkv, end, d]``: its history
+        from the pool followed by this call's ``key / value [1, Hkv, N, d]`` rows."""
+        seg = self.segments[i]
+        k_new = key[:, :, seg.offset: seg.offset + seg.length]
+        v_new = value[:, :, seg.offset: seg.offset + seg.length]
+        if seg.history is None:
+            return k_new, v_new
+        k_old = self.k_pool[layer][seg.history].transpose(0, 1).unsqueeze(0).to(key.dtype)
+        v_old = self.v_pool[layer][seg.history].transpose(0, 1).unsqueeze(0).to(value.dtype)
+        return torch.cat([k_old, k_new], dim=2), torch.cat([v_old, v_new], dim=2)
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """Causal attention of every segment: ``query [1, Hq, N, d]`` (post-RoPE), ``key / value
+        [1, Hkv, N, d]`` (this call's tokens) -> ``[1, N, Hq, d]`` in ``query``'s dtype."""
+        outs = []
+        for i, seg in enumerate(self.segments):
+            k, v = self.segment_kv(layer, i, key, value)
+            q = query[:, :, seg.offset: seg.offset + seg.length]
+            outs.append(causal_attention(q, k, v, scale).transpose(1, 2))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def ragged_attention_reference(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                               lengths: list[int], scale: float) -> torch.Tensor:
+    """The definition: ``query [1, Hq, N, d]`` split into segments of ``lengths``; segment ``i``'s
+    queries are the last ``lengths[i]`` positions of ``keys[i] / values[i] [1, Hkv, S_i, d]`` and see
+    keys up to their own position (explicit mask, fp32 or fp64 math). Returns ``[1, N, Hq, d]`` fp32/fp64."""
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    Hq = query.shape[1]
+    outs, off = [], 0
+    for k, v, n in zip(keys, values, lengths):
+        q = query[:, :, off: off + n].to(acc)
+        S = k.shape[2]
+        logits = torch.einsum("bhqd,bhsd->bhqs", q, expand_kv_heads(k, Hq).to(acc)) * scale
+        allowed = torch.arange(S, device=q.device).view(1, S) <= (S - n + torch.arange(n, device=q.device)).view(n, 1)
+        p = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+        outs.append(torch.einsum("bhqs,bhsd->bqhd", p, expand_kv_heads(v, Hq).to(acc)))
+        off += n
+    return torch.cat(outs, dim=1)

@@ -1,0 +1,121 @@
+"""Packed (ragged) prefill and the token-budget step: several requests' prompts in one model call give
+each request the logits and method state of its solo prefill (every registered method, the three
+families, fp64), and a run whose steps mix decodes with prompt chunks gives every request the tokens and
+logits of running it alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from macattn.methods.registry import ATTENTION_METHODS
+from macattn.runtime.config import RuntimeConfig
+from macattn.runtime.engine import LLMEngine
+from macattn.runtime.sequence import PrefillChunk
+
+from _tiny import MAC, prompts, tiny_model
+from test_every_method import _exact_engine
+
+FAMILIES = ("llama", "qwen2", "mistral")
+
+
+def _state_rows(engine, slot: int) -> list[torch.Tensor]:
+    """Every per-slot tensor of ``slot`` (MAC's rings, FastMKA's summaries, ...) that the method keeps."""
+    rows = []
+    for state in engine.executor.slot_states().values():
+        for t in vars(state).values():
+            for x in (t if isinstance(t, (list, tuple)) else [t]):
+                if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == engine.executor.num_slots:
+                    rows.append(x[slot].clone())
+    return rows
+
+
+def _prefill(make, ps, packed: bool):
+    eng = make()
+    seqs = [eng.make_request(p, max_new_tokens=3) for p in ps]
+    for s in seqs:
+        eng.submit(s)
+    eng.scheduler.admit()
+    chunks = [PrefillChunk(s, 0, len(s.prompt)) for s in seqs]
+    if packed:
+        logits = eng.executor.prefill_chunks(chunks)
+    else:
+        logits = [eng.executor.prefill_chunks([c])[0] for c in chunks]
+    return logits, [_state_rows(eng, s.slot) for s in seqs]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", ATTENTION_METHODS + ("mac_on",))
+def test_packed_prefill_equals_solo_prefill(family, name):
+    if name == "mac_on":
+        make = lambda: LLMEngine(tiny_model(family, seed=4), MAC, RuntimeConfig(max_batch_size=2, max_seq_len=128))  # noqa: E731
+    else:
+        make = lambda: _exact_engine(name, tiny_model(family, seed=4))  # noqa: E731
+    ps = prompts(2, seed=11, lo=9, hi=40)
+    solo_logits, solo_state = _prefill(make, ps, packed=False)
+    packed_logits, packed_state = _prefill(make, ps, packed=True)
+    for a, b in zip(solo_logits, packed_logits):
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9)
+    for rows_a, rows_b in zip(solo_state, packed_state):
+        assert len(rows_a) == len(rows_b)
+        for a, b in zip(rows_a, rows_b):
+            torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9, equal_nan=True)
+
+
+def _run_alone(family, p, new):
+    eng = LLMEngine(tiny_model(family, seed=5), MAC, RuntimeConfig(max_batch_size=1, max_seq_len=128))
+    rid = eng.add_request(p, max_new_tokens=new)
+    logits = []
+    while eng.has_unfinished():
+        logits += [o.logits for o in eng.step() if o.logits is not None]
+    return eng.pop_finished(rid).output, logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mixed_steps_equal_each_request_run_alone(family):
+    """Staggered arrivals under a 9-token budget: steps decode some requests while packing others'
+    prompt chunks (checked: such steps happen); every request's tokens and logits equal its solo run."""
+    model = tiny_model(family, seed=5)
+    ps = prompts(5, seed=13, lo=10, hi=30)
+    eng = LLMEngine(model, MAC, RuntimeConfig(max_batch_size=3, max_seq_len=128, max_num_batched_tokens=9))
+    ids, logits, mixed = [], {}, 0
+    for i, p in enumerate(ps):
+        ids.append(eng.add_request(p, max_new_tokens=6))
+        logits[ids[-1]] = []
+        for _ in range(i % 3):
+            sched_decodes = len(eng.scheduler.decode_batch())
+            out = eng.step()
+            mixed += bool(sched_decodes and any(not s.prefilled for s in eng.scheduler.running))
+            for o in out:
+                if o.logits is not None:
+                    logits[o.request_id].append(o.logits)
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.logits is not None:
+                logits[o.request_id].append(o.logits)
+    assert mixed > 0
+    for rid, p in zip(ids, ps):
+        tokens, alone = _run_alone(family, p, 6)
+        assert eng.pop_finished(rid).output == tokens
+        for a, b in zip(alone, logits[rid]):
+            torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9)
+
+
+def test_a_step_stays_within_its_token_budget():
+    eng = LLMEngine(tiny_model("llama", seed=5), MAC, RuntimeConfig(max_batch_size=3, max_seq_len=128,
+                                                                   max_num_batched_tokens=10))
+    for p in prompts(3, seed=3, lo=25, hi=40):
+        eng.add_request(p, max_new_tokens=4)
+    while eng.has_unfinished():
+        step = eng.scheduler.schedule()
+        assert step.num_tokens <= 10
+        assert len({c.seq.request_id for c in step.prefills} & {s.request_id for s in step.decodes}) == 0
+        # run what was scheduled, as LLMEngine.step does
+        if step.decodes:
+            batch = list(step.decodes)
+            tokens, rows = eng.executor.decode_step(batch)
+            for s, t, r in zip(batch, tokens, rows):
+                eng._append(s, t, r)
+        if step.prefills:
+            for c, row in zip(step.prefills, eng.executor.prefill_chunks(list(step.prefills))):
+                if row is not None:
+                    eng._append(c.seq, eng.executor.sample([c.seq], row[None])[0], row)
