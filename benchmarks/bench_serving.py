@@ -1,6 +1,6 @@
 """Serving benchmark in the shape of vLLM's ``benchmark_serving``, measured against the hardware floor of
 the same device in the same run: the ``openai`` async client sends streaming completions (token-id
-prompts, greedy) to the OpenAI-compatible server (``macattn.apps.openai_server``, started here on the
+prompts, greedy) to the OpenAI-compatible server (``macattn.apps.serving.openai_server``, started here on the
 model, or ``--url``), at most ``concurrency`` in flight, arrivals Poisson at ``--request-rate`` per second
 (``inf``: all at once).
 
@@ -409,7 +409,7 @@ class Server:
         import uvicorn
 
         from macattn.apps.llm import LLM
-        from macattn.apps.openai_server import build_app
+        from macattn.apps.serving.openai_server import build_app
 
         self.key = server_key(w, method, mac)
         t0 = time.perf_counter()

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 from tritonclient import grpc as grpcclient
 
-from macattn.runtime.triton_server import serve
+from macattn.apps.serving.triton_server import serve
 
 work = sys.argv[1]
 with serve(f"{work}/repo", f"{work}/server") as running:

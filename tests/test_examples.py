@@ -25,7 +25,7 @@ def test_generate_with_mac_retrieves_the_needle():
 
 def test_build_and_serve_streams_tokens(tmp_path):
     pytest.importorskip("pytriton", reason="needs nvidia-pytriton (pip install -e '.[test]')")
-    from macattn.runtime.triton_server import prepare_tritonserver
+    from macattn.apps.serving.triton_server import prepare_tritonserver
 
     try:
         prepare_tritonserver(tmp_path, tmp_path, http_port=0, grpc_port=0)

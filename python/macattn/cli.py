@@ -21,7 +21,7 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_triton_repo(args) -> int:
-    from macattn.runtime.triton_repo import write_model_repository
+    from macattn.apps.serving.triton_repo import write_model_repository
 
     mac = MacConfig.load(args.per_layer) if args.per_layer else None
     dirs = write_model_repository(args.engine, args.out, name=args.name, mac_config=mac,
@@ -62,7 +62,7 @@ def _cmd_serve(args) -> int:
     import signal
     import threading
 
-    from macattn.runtime.triton_server import serve
+    from macattn.apps.serving.triton_server import serve
 
     stop = threading.Event()             # SIGTERM (systemd, Kubernetes, docker stop) as well as Ctrl-C
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -101,7 +101,7 @@ def _serve_openai(args) -> int:
     import uvicorn
 
     from macattn.apps.llm import LLM
-    from macattn.apps.openai_server import build_app
+    from macattn.apps.serving.openai_server import build_app
 
     with LLM(args.model, **_llm_kwargs(args)) as llm:
         name = args.served_model_name or ("builtin" if args.model == "builtin" else str(args.model))

@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from macattn.apps.llm import LLM, SamplingParams  # noqa: E402
-from macattn.apps.openai_server import build_app, chat_prompt  # noqa: E402
+from macattn.apps.serving.openai_server import build_app, chat_prompt  # noqa: E402
 from macattn.methods.mac.config import MacConfig  # noqa: E402
 
 PROMPTS = ["The Lord is my shepherd", "In the beginning God created", "And it came to pass", "Blessed are"]

@@ -99,7 +99,7 @@ def test_llm_api_and_openai_server_offload_with_prefix_reuse(tmp_path):
     from fastapi.testclient import TestClient
 
     from macattn.apps.llm import LLM, SamplingParams
-    from macattn.apps.openai_server import build_app
+    from macattn.apps.serving.openai_server import build_app
 
     cfg = CompletionConfig(n_sink=4, n_tail=8, top_k=16, feature_dim=16, hidden=32, selector="quest", page_size=8)
     with pytest.raises(ValueError, match="kv_offload"):

@@ -27,8 +27,8 @@ grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs tritonclient
 from macattn.methods.mac.config import MacConfig  # noqa: E402
 from macattn.models.checkpoint import BUILTIN_CHECKPOINT_DIR, load_builtin_checkpoint  # noqa: E402
 from macattn.runtime import ModelRunner, write_engine_dir  # noqa: E402
-from macattn.runtime.triton_repo import write_model_repository  # noqa: E402
-from macattn.runtime.triton_server import serve  # noqa: E402
+from macattn.apps.serving.triton_repo import write_model_repository  # noqa: E402
+from macattn.apps.serving.triton_server import serve  # noqa: E402
 
 from test_triton_server import pytestmark as _server_marks  # noqa: E402  (skips where the bundled server cannot run)
 

@@ -7,7 +7,7 @@ from _tiny import MAC, tiny_model
 from macattn.cli import main
 from macattn.methods.mac.config import MacConfig
 from macattn.runtime import write_engine_dir
-from macattn.runtime.triton_repo import write_model_repository
+from macattn.apps.serving.triton_repo import write_model_repository
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The real Triton Inference Server (from the ``nvidia-pytriton`` wheel) serving a model
 repository written by ``macattn triton-repo``, on the CPU, with a tiny model.
 
-Setup (``macattn.runtime.triton_server.prepare_tritonserver``, after ../shared/FACTS.md): the
+Setup (``macattn.apps.serving.triton_server.prepare_tritonserver``, after ../shared/FACTS.md): the
 Python-backend stub for the running interpreter is copied into a *copy* of the wheel's
 ``backends`` dir (site-packages is never modified), ``LD_LIBRARY_PATH`` points at
 ``nvidia_pytriton.libs``, foreign ``python3`` dirs leave ``PATH``; the server listens on
@@ -25,8 +25,8 @@ grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs tritonclient
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from macattn.runtime import ModelRunner, write_engine_dir  # noqa: E402
-from macattn.runtime.triton_repo import write_model_repository  # noqa: E402
-from macattn.runtime.triton_server import prepare_tritonserver, serve  # noqa: E402
+from macattn.apps.serving.triton_repo import write_model_repository  # noqa: E402
+from macattn.apps.serving.triton_server import prepare_tritonserver, serve  # noqa: E402
 
 NEW = 8
 

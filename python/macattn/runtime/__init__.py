@@ -1,13 +1,12 @@
-"""Runtime: the in-flight batching engine over every attention method, the TensorRT-LLM-style
-runner, and serving.
+"""Runtime: the in-flight batching engine over every attention method and the TensorRT-LLM-style
+runner (the servers over it are ``macattn.apps.serving``).
 
 Modules (nano-vllm style, one job each): ``slots`` (per-request state registry),
 ``block_manager`` + ``kv_cache`` (paged KV), ``scheduler`` (in-flight batching), ``executor``
-(runs the bound model, one ``StepContext`` per call; chunked prefill), ``cuda_decode`` (per-bucket
+(runs the bound model, one ``StepContext`` per call; packed prefill), ``cuda_decode`` (per-bucket
 plans and CUDA graphs) with ``step_inputs`` (a bucket's static inputs, one staged copy per step),
 ``engine`` (requests + steps), ``model_runner`` (``ModelRunner.generate``), ``a3_assembly`` +
-``chunk_store`` (A3's fused prefill and chunk KV store), ``kv_tiers`` (offloaded KV pages),
-``triton_*`` (Triton Inference Server repository, the engine and text models, the server).
+``chunk_store`` (A3's fused prefill and chunk KV store), ``kv_tiers`` (offloaded KV pages).
 """
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.engine import LLMEngine, StepOutput

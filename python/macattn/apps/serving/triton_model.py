@@ -10,7 +10,7 @@ once. ``stop_words`` (TensorRT-LLM's ``[2, N]`` word list) ends a request once i
 with one of them (the word is kept); ``bad_words`` other than none are refused.
 
 With the ``role`` parameter ``preprocessing`` / ``postprocessing`` the same file serves the
-ensemble's text stages (``macattn.runtime.triton_text``).
+ensemble's text stages (``macattn.apps.serving.triton_text``).
 
 The Python backend stub ignores ``PYTHONPATH``: the ``sys_path`` parameter (written by
 ``macattn triton-repo``) lists the site-packages to add. It is read from this model's
@@ -91,7 +91,7 @@ class TritonPythonModel:
         _add_site_dirs(json.loads(params.get("sys_path", "[]")))
         self.text = None
         if params.get("role", "engine") != "engine":
-            from macattn.runtime.triton_text import TextStage
+            from macattn.apps.serving.triton_text import TextStage
 
             self.text = TextStage(params["role"], params, pb_utils)
             return
@@ -158,7 +158,7 @@ class TritonPythonModel:
         return self.torch.from_numpy(ids.astype(np.int64, copy=False).copy()), kwargs
 
     def _parse_delivery(self, request, p):
-        from macattn.runtime.triton_text import parse_word_list
+        from macattn.apps.serving.triton_text import parse_word_list
 
         stream = pb_utils.get_input_tensor_by_name(request, "stream")
         if stream is not None:
