@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("needs a CUDA GPU (or --dry-run)")
     import triton
 
-    from macattn.plugins.fp8_linear.kernel import _fp8_gemv
+    from macattn.plugins.fp8_linear.kernel import fp8_gemv
 
     name = torch.cuda.get_device_name()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -89,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         fp8 = [(wq, scale)] + [(wq.clone(), scale) for _ in range(math.ceil(4 * l2 / wq.nbytes) - 1)]
         for M in args.rows:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            _fp8_gemv.configs_timings = {}
+            fp8_gemv.configs_timings = {}
             fp8_linear(x, wq, scale)                                     # autotunes this key
-            tuned = {str(c): round(t[0] * 1e3, 2) for c, t in _fp8_gemv.configs_timings.items()}
-            best = str(_fp8_gemv.best_config)
+            tuned = {str(c): round(t[0] * 1e3, 2) for c, t in fp8_gemv.configs_timings.items()}
+            best = str(fp8_gemv.best_config)
             t16 = per_call_us(lambda weight: F.linear(x, weight), bf16, args.reps)
             t8 = per_call_us(lambda pair: fp8_linear(x, *pair), fp8, args.reps)
             b16, b8 = bytes_moved(M, N, K, fp8=False), bytes_moved(M, N, K, fp8=True)

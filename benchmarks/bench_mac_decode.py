@@ -138,7 +138,7 @@ def mac_bytes(B: int, gap: float = (GAP_LO + GAP_HI) / 2) -> dict:
 # methods
 # ---------------------------------------------------------------------------------------------
 def make_plan(B, ctx, page_size, **kw):
-    from macattn.plugins.decode_plan import MacDecodePlan
+    from macattn.plugins.mac.decode_plan import MacDecodePlan
     return MacDecodePlan(batch_size=B, max_context=ctx, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
                          window=WINDOW, band=BAND, tau=TAU, page_size=page_size, device="cuda", **kw)
 

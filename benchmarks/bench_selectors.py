@@ -52,9 +52,9 @@ def match_problem(B, Hq, K, d, device, seed=0):
 
 
 def bench_match(points, reps, device, dry) -> list[dict]:
-    from macattn.plugins._triton_util import num_sms
-    from macattn.plugins.mac_match.op import MacMatchLauncher, TwoStageMatchLauncher
-    from macattn.plugins.mac_match.two_stage import two_stage_meta
+    from macattn.plugins.triton_util import num_sms
+    from macattn.plugins.mac.match_op import MacMatchLauncher, TwoStageMatchLauncher
+    from macattn.plugins.mac.two_stage import two_stage_meta
 
     rows, exact, two = [], MacMatchLauncher(), TwoStageMatchLauncher()
     for B, Hq, K, d in points:

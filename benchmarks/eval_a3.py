@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from macattn.methods.a3.config import A3Config, FusionMethod
-from macattn.runtime.a3_assembly import RagPrompt, fuse_prefix, prefill_question, _forward
+from macattn.runtime.a3_assembly import RagPrompt, decode_after_prefill, fuse_prefix, prefill_question
 from macattn.runtime.chunk_store import ChunkKVStore, model_fingerprint
 
 NAMES = ["Abigail", "Barnabas", "Cornelius", "Delilah", "Ezekiel", "Felix", "Gideon", "Hannah", "Isaac", "Jael",
@@ -101,15 +101,9 @@ def run_one(model, prompt, config, kv, answer_tokens):
     t0 = time.perf_counter()
     res = fuse_prefix(model, prompt, config, chunk_kv=lambda ids: kv[tuple(ids.tolist())],
                       extra_capacity=answer_tokens)
-    logits = prefill_question(model, res)
+    prefill_question(model, res)
     ttft = time.perf_counter() - t0
-    tokens = [int(logits.argmax())]
-    pos = prompt.num_prefix + prompt.question.numel()
-    for _ in range(answer_tokens - 1):
-        logits = _forward(model, res.cache, torch.tensor([tokens[-1]]), torch.tensor([pos]), pos + 1, logits=True)
-        tokens.append(int(logits.argmax()))
-        pos += 1
-    return tokens, ttft
+    return decode_after_prefill(model, res, answer_tokens), ttft
 
 
 def main(argv=None):

@@ -27,7 +27,7 @@ import torch
 
 from macattn.apps.tune import TuneSettings, calibration_prompts
 from macattn.evaluation.calibration import calibrate_match_scales
-from macattn.evaluation.harness import EvalSettings, _csv, load_eval_model, run_eval
+from macattn.evaluation.harness import EvalSettings, load_eval_model, parse_csv, run_eval
 from macattn.evaluation.methods import Mac
 from macattn.methods.mac.config import MacConfig
 
@@ -78,17 +78,17 @@ def main(argv=None) -> int:
         lengths, gen, window, band = (256,), 4, 64, 16
     else:
         model, encode, hay, bos, desc = load_eval_model(args.model, haystack=None, device=args.device)
-        lengths, gen, window, band = _csv(args.lengths, int), args.gen, args.window, args.band
+        lengths, gen, window, band = parse_csv(args.lengths, int), args.gen, args.window, args.band
     cal = calibration_prompts(model, TuneSettings(lengths=lengths, n=args.calibration_n, gen=2), encode, hay, bos,
                               progress=False)
     scales = calibrate_match_scales(model, [q for q, _ in cal])
     base = MacConfig(window=window, band=band)
     methods, rule = [], {}
-    for t in _csv(args.paper_taus, float):
+    for t in parse_csv(args.paper_taus, float):
         m = Mac(replace(base, tau=t), gen_len=gen)
         methods.append(m)
         rule[m.name] = ("paper", t, "exact")
-    for t in _csv(args.calibrated_taus, float):
+    for t in parse_csv(args.calibrated_taus, float):
         m = Mac(replace(base, tau=t).with_match_scales(scales), gen_len=gen)
         methods.append(m)
         rule[m.name] = ("calibrated", t, "exact")

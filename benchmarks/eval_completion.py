@@ -3,7 +3,7 @@
     python3 benchmarks/eval_completion.py                         # built-in model (+ trained checkpoint if present)
     python3 benchmarks/eval_completion.py --maps DIR --ckpt-maps DIR2   # distilled maps instead of training here
 
-Protocol (paper §6-7, App. D/H; SPEC §3):
+Protocol (paper §6-7, App. D/H; docs/spec.md §3):
 
 * model: the built-in LLaMA (random weights, ``macattn.models.builtin``) and, when present, the trained
   tiny LLaMA (``macattn.models.checkpoint``; ``--model-dir``). Text: Python stdlib docstrings

@@ -26,7 +26,7 @@ import torch
 from macattn.evaluation.harness import EvalSettings, load_eval_model, run_eval
 from macattn.evaluation.methods import RetrievalCompletion
 from macattn.methods.completion.reference import PageSummaryTopK, budget_top_k
-from macattn.methods.mac.completion_on_miss import MissCompletionConfig
+from macattn.methods.completion.completion_on_miss import MissCompletionConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -4,7 +4,7 @@ each for sm_90a and the ``ptxas-blackwell`` its wheel ships (it reads the PTX 9.
     python benchmarks/ptxas_report.py
 
 Prints one line per (kernel, configuration): registers per thread, spill stores / loads in bytes. What it
-told about ``_decode_partial_pages`` and ``_decode_merge`` is in ``benchmarks/NOTES.md`` (page op v2).
+told about ``decode_partial_pages`` and ``decode_merge`` is in ``benchmarks/NOTES.md`` (page op v2).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import triton.backends.nvidia as nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from macattn.plugins.retrieval_completion.kernel import _decode_merge, _decode_partial_pages
+from macattn.plugins.retrieval_completion.kernel import decode_merge, decode_partial_pages
 
 PTXAS = os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas-blackwell")
 
@@ -60,12 +60,12 @@ def main() -> int:
     print(f"{'kernel':<24}{'config':<28}{'registers':>10}{'spill st':>10}{'spill ld':>10}")
     for bk, warps in [(64, 4), (64, 8), (32, 4), (32, 8), (16, 4)]:
         consts = {**shapes, "G_P": 16, "PRECISION": "tf32", "BLOCK_K": bk}
-        regs, st, ld = ptxas_stats(_decode_partial_pages, partial, consts, warps)
-        print(f"{'_decode_partial_pages':<24}{f'BLOCK_K {bk} x {warps} warps':<28}{regs:>10}{st:>10}{ld:>10}")
+        regs, st, ld = ptxas_stats(decode_partial_pages, partial, consts, warps)
+        print(f"{'decode_partial_pages':<24}{f'BLOCK_K {bk} x {warps} warps':<28}{regs:>10}{st:>10}{ld:>10}")
     for unroll, warps in [(1, 4), (2, 8), (4, 8), (8, 8)]:
         consts = {**shapes, "S_P": 32, "SUB_KV": True, "UNROLL": unroll}
-        regs, st, ld = ptxas_stats(_decode_merge, merge, consts, warps)
-        print(f"{'_decode_merge':<24}{f'UNROLL {unroll} x {warps} warps':<28}{regs:>10}{st:>10}{ld:>10}")
+        regs, st, ld = ptxas_stats(decode_merge, merge, consts, warps)
+        print(f"{'decode_merge':<24}{f'UNROLL {unroll} x {warps} warps':<28}{regs:>10}{st:>10}{ld:>10}")
     return 0
 
 

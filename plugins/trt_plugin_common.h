@@ -1,7 +1,7 @@
 // Shared pieces of the native TensorRT plugins mac::match and mac::attend (IPluginV3).
 //
 // The op contract (inputs, outputs, dtypes, fields band / tau / scale) is docs/graph.md; the
-// shape and dtype inference mirrors plugins/mac_match/plugin.py and plugins/mac_attend/plugin.py.
+// shape and dtype inference mirrors plugins/mac/match_plugin.py and plugins/mac/attend_plugin.py.
 // The kernels are the C library macattn_kernels (plugins/aot_library.py, macattn_kernels.h):
 // one entry point per specialisation baked for (Hq, Hkv, d, K, band, tau | scale=1/sqrt(d), bf16).
 // Needs TensorRT >= 10.3 headers (IPluginV3OneBuildV2 for the aliased ring outputs).

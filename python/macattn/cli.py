@@ -7,6 +7,7 @@ import sys
 from macattn.methods.mac.config import MacConfig
 from macattn.methods.mac.flags import add_mac_flags, mac_config_from_args
 from macattn.apps.generate import TRAINED, run_generate
+from macattn.runtime.engine_args import EngineArgs
 
 __all__ = ["main"]
 
@@ -23,13 +24,11 @@ def _cmd_generate(args) -> int:
 def _cmd_triton_repo(args) -> int:
     from macattn.apps.serving.triton_repo import write_model_repository
 
-    mac = MacConfig.load(args.per_layer) if args.per_layer else None
-    dirs = write_model_repository(args.engine, args.out, name=args.name, mac_config=mac,
-                                  max_batch_size=args.max_batch_size, block_size=args.block_size,
-                                  device=args.device, torch_num_threads=args.torch_threads,
+    eargs = EngineArgs.from_cli_args(args, **({"method": "completion"} if args.completion else {}))
+    dirs = write_model_repository(args.engine, args.out, engine_args=eargs, name=args.name,
+                                  torch_num_threads=args.torch_threads,
                                   sys_path=(args.sys_path.split(":") if args.sys_path else None),
-                                  sync_model=not args.no_sync_model, tokenizer_dir=args.tokenizer_dir,
-                                  tensor_parallel_size=args.tp, completion=_completion_json(args))
+                                  sync_model=not args.no_sync_model, tokenizer_dir=args.tokenizer_dir)
     for d in dirs:
         print(f"wrote {d}")
     if not any(d.name == "ensemble" for d in dirs):
@@ -39,26 +38,15 @@ def _cmd_triton_repo(args) -> int:
     return 0
 
 
-def _completion_json(args) -> str | None:
-    """``triton-repo``'s retrieval-completion options as the model's ``completion`` parameter (None: MAC)."""
-    if not args.completion:
-        if args.kv_offload or args.prefix_store or args.completion_maps:
-            raise ValueError("--kv-offload / --prefix-store / --completion-maps need --completion")
-        return None
-    from macattn.runtime.completion_setup import completion_options_to_json
-
-    return completion_options_to_json(maps=args.completion_maps, kv_offload=args.kv_offload,
-                                      prefix_store=args.prefix_store)
-
-
 def _cmd_serve(args) -> int:
     if (args.repo is None) == (args.model is None):
         raise ValueError("give exactly one of --repo (Triton model repository) and --model (OpenAI-compatible server)")
     if args.model is not None:
         return _serve_openai(args)
-    if args.tp != 1:
-        raise ValueError(f"--tp {args.tp}: a model repository carries its tensor-parallel size (macattn triton-repo "
-                         "--tp N); --tp here applies to --model")
+    given = [f for f in vars(_engine_args(args)) if getattr(args, f, None) is not None]
+    if given:
+        raise ValueError(f"--{given[0].replace('_', '-')}: a model repository carries its engine arguments "
+                         "(macattn triton-repo ...); engine flags here apply to --model")
     import signal
     import threading
 
@@ -76,41 +64,66 @@ def _cmd_serve(args) -> int:
     return 0
 
 
-def _llm_kwargs(args) -> dict:
-    """``LLM`` keyword arguments of ``macattn serve --model``: the method (``--method``; ``--no-mac`` = full),
-    MAC's per-layer file (``--per-layer``, from ``macattn tune``), retrieval-completion's options, ranks (``--tp``)."""
-    if args.no_mac and args.per_layer:
-        raise ValueError("give at most one of --no-mac and --per-layer")
-    method = args.method or ("full" if args.no_mac else "mac")
-    if args.per_layer and method != "mac":
-        raise ValueError(f"--per-layer configures MAC; got --method {method}")
-    completion = {}
-    if method == "completion":
-        completion = dict(completion_maps=args.completion_maps, kv_offload=args.kv_offload,
-                          prefix_store=args.prefix_store)
-    elif args.kv_offload or args.prefix_store or args.completion_maps:
-        raise ValueError(f"--kv-offload / --prefix-store / --completion-maps need --method completion, got {method!r}")
-    return dict(device=args.device, max_batch_size=args.max_batch_size, method=method,
-                mac=args.per_layer if method == "mac" else None, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_seq_len=args.max_seq_len, tensor_parallel_size=args.tp, **completion)
+def _engine_args(args):
+    """``EngineArgs`` of ``macattn serve --model``'s flags (``--no-mac`` = ``--mac off``)."""
+    from macattn.runtime.engine_args import EngineArgs
+
+    if args.no_mac and args.mac is not None:
+        raise ValueError("give at most one of --no-mac and --mac / --per-layer")
+    return EngineArgs.from_cli_args(args, **({"mac": "off"} if args.no_mac else {}))
+
+
+SERVE_EXTRA_HINT = 'pip install -e ".[serve]"  (or: pip install "macattn[serve]")'
+
+
+def _serve_modules():
+    """uvicorn, after checking the OpenAI server's packages (the ``[serve]`` extra) are installed: a
+    missing one ends the command with a message naming the install line, not a traceback."""
+    import importlib
+
+    missing = []
+    for name in ("uvicorn", "fastapi", "prometheus_client"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise SystemExit(f"macattn serve --model: the OpenAI server needs {', '.join(missing)} (the [serve] extra), "
+                         f"not installed here: {SERVE_EXTRA_HINT}")
+    return importlib.import_module("uvicorn")
 
 
 def _serve_openai(args) -> int:
+    import asyncio
     import signal
 
-    import uvicorn
+    uvicorn = _serve_modules()
 
     from macattn.apps.llm import LLM
     from macattn.apps.serving.openai_server import build_app
 
-    with LLM(args.model, **_llm_kwargs(args)) as llm:
-        name = args.served_model_name or ("builtin" if args.model == "builtin" else str(args.model))
+    eargs = _engine_args(args)
+    kwargs = {k: v for k, v in vars(eargs).items() if k != "model"}
+    with LLM(eargs.model, **kwargs) as llm:
+        name = args.served_model_name or ("builtin" if eargs.is_builtin else str(eargs.model))
+        server = uvicorn.Server(uvicorn.Config(build_app(llm, name), host=args.address, port=args.http_port,
+                                               log_level="warning", timeout_graceful_shutdown=args.grace_period))
+
+        async def run() -> None:
+            task = asyncio.create_task(server.serve())
+            while not server.started and not task.done():
+                await asyncio.sleep(0.05)
+            if server.started:
+                sock = server.servers[0].sockets[0].getsockname() if server.servers else (args.address, args.http_port)
+                print(f"macattn serve: model {name!r} ready on http://{sock[0]}:{sock[1]}/v1 "
+                      f"({eargs.method}, {eargs.device}); Ctrl-C or SIGTERM stops it", flush=True)
+            await task
+
         # uvicorn stops on SIGINT / SIGTERM (no new connections, in-flight requests get the grace period),
         # then re-raises the signal under the handlers it found: these swallow it, so the exit status is 0
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
-        uvicorn.run(build_app(llm, name), host=args.address, port=args.http_port, log_level="warning",
-                    timeout_graceful_shutdown=args.grace_period)
+        asyncio.run(run())
     return 0
 
 
@@ -165,55 +178,26 @@ def build_parser() -> argparse.ArgumentParser:
     tri.add_argument("--engine", required=True, help="engine directory (manifest.json + hf/)")
     tri.add_argument("--out", required=True, help="model repository directory to write")
     tri.add_argument("--name", default="macattn", help="model name (a NAME_sync non-decoupled twin is added)")
-    tri.add_argument("--max-batch-size", type=int, default=8, help="in-flight requests at most (MAC slots)")
-    tri.add_argument("--block-size", type=int, default=16, help="paged KV block size in tokens")
-    tri.add_argument("--device", default="cpu")
     tri.add_argument("--torch-threads", type=int, default=0, help="torch threads in the server (0 = default)")
-    tri.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the model is sharded over")
     tri.add_argument("--sys-path", default=None,
                      help="':'-separated site-packages for model.py (default: this interpreter's)")
-    tri.add_argument("--per-layer", default=None, help="MacConfig JSON overriding the engine's MAC config")
     tri.add_argument("--no-sync-model", action="store_true", help="write only the decoupled streaming model")
-    tri.add_argument("--completion", action="store_true", help="retrieval-completion instead of MAC")
-    tri.add_argument("--kv-offload", choices=("host",), default=None,
-                     help="--completion: prompt KV in host memory, selected pages fetched per step")
-    tri.add_argument("--prefix-store", default=None,
-                     help="--completion --kv-offload host: directory of persisted prompts (input reuse_prefix)")
-    tri.add_argument("--completion-maps", default=None, help="--completion: distilled feature maps directory")
+    tri.add_argument("--completion", action="store_true", help="retrieval-completion instead of MAC (= --method completion)")
     tri.add_argument("--tokenizer-dir", default=None,
                      help="tokenizer for the text ensemble (default: the engine's hf/ when it holds one)")
+    EngineArgs.add_cli_args(tri, skip=("model", "tokenizer"))   # the engine the models run (model: the engine's hf/)
     tri.set_defaults(func=_cmd_triton_repo)
 
     srv = sub.add_parser("serve", help="--model: an OpenAI-compatible server (FastAPI + uvicorn); --repo: a model "
                                        "repository with the tritonserver of the nvidia-pytriton wheel")
     srv.add_argument("--repo", default=None, help="model repository (from macattn triton-repo)")
-    srv.add_argument("--model", default=None, help="'builtin' or a transformers model directory (OpenAI server)")
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    srv.add_argument("--device", default="cpu")
-    srv.add_argument("--max-batch-size", type=int, default=8)
-    srv.add_argument("--no-mac", action="store_true", help="full attention instead of MAC (OpenAI server)")
-    srv.add_argument("--method", choices=("mac", "full", "completion"), default=None,
-                     help="attention method (OpenAI server; default mac, or full with --no-mac)")
-    srv.add_argument("--kv-offload", choices=("host",), default=None,
-                     help="--method completion: prompt KV in host memory, selected pages fetched per step")
-    srv.add_argument("--prefix-store", default=None,
-                     help="--kv-offload host: directory where prompts' KV persist (requests send reuse_prefix: true)")
-    srv.add_argument("--completion-maps", default=None,
-                     help="--method completion: distilled feature maps directory (default: untrained init)")
-    srv.add_argument("--max-seq-len", type=int, default=None, help="prompt + generated tokens per request")
-    srv.add_argument("--per-layer", default=None,
-                     help="MacConfig JSON (from macattn tune) the OpenAI server's MAC runs (for --repo: pass it "
-                          "to macattn triton-repo --per-layer)")
-    srv.add_argument("--max-num-batched-tokens", type=int, default=None,
-                     help="token budget of one engine step: the running decodes plus prompt chunks packed into "
-                          "one model call (OpenAI server; default: 8192 on CUDA, whole prompts on the CPU)")
-    srv.add_argument("--tp", type=int, default=1,
-                     help="tensor-parallel ranks the model is sharded over (OpenAI server; a --repo carries its "
-                          "own, from macattn triton-repo --tp)")
+    srv.add_argument("--no-mac", action="store_true", help="MAC off (= --mac off; OpenAI server)")
+    EngineArgs.add_cli_args(srv)      # --model and every engine flag (OpenAI server; a --repo carries its own)
     srv.add_argument("--grace-period", type=int, default=10, help="seconds in-flight requests get on SIGTERM")
     srv.add_argument("--workdir", default=".tritonserver", help="where the backends copy and the log go")
-    srv.add_argument("--address", default="127.0.0.1")
-    srv.add_argument("--http-port", type=int, default=8000, help="0 picks a free port (Triton)")
+    srv.add_argument("--address", "--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--http-port", "--port", type=int, default=8000, help="HTTP port; 0 picks a free port")
     srv.add_argument("--grpc-port", type=int, default=8001, help="0 picks a free port")
     srv.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics (Triton); 0 picks a free port")
     srv.set_defaults(func=_cmd_serve)

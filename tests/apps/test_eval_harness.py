@@ -12,7 +12,7 @@ from macattn.evaluation import tasks as T
 from macattn.evaluation.harness import EvalSettings, byte_encoder, register, run_eval
 from macattn.methods.a3.config import A3Config
 from macattn.evaluation.methods import A3Fusion, Mac, RetrievalCompletion
-from macattn.methods.mac.completion_on_miss import MissCompletionConfig
+from macattn.methods.completion.completion_on_miss import MissCompletionConfig
 
 ENC = byte_encoder(2048)
 

@@ -189,12 +189,12 @@ def test_cli_min_agreement_on_an_hf_checkpoint_dir(tmp_path):
 
 def test_a_tuned_file_reaches_the_openai_server_and_the_llm_api(tmp_path):
     from macattn.apps.llm import LLM
-    from macattn.cli import _llm_kwargs, build_parser
+    from macattn.cli import _engine_args, build_parser
 
     cfg = MacConfig(tau=0.6, window=64, band=16).with_match_scales([[1.5]] * 8).with_overrides({3: {"tau": 0.9}})
     cfg.save(tmp_path / "per_layer.json")
     args = build_parser().parse_args(["serve", "--model", "builtin", "--per-layer", str(tmp_path / "per_layer.json")])
-    kw = _llm_kwargs(args)
+    kw = {k: v for k, v in vars(_engine_args(args)).items() if k != "model"}
     with LLM("builtin", **kw) as llm:
         assert llm.engine.method.config == cfg
         out = llm.generate([5, 6, 7, 8] * 20)

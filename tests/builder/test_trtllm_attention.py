@@ -9,8 +9,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from macattn.builder import trtllm_attention as ta
 from macattn.methods.mac.config import MacConfig
-from macattn.plugins.mac_attend import plugin as attend_plugin
-from macattn.plugins.mac_match import plugin as match_plugin
+from macattn.plugins.mac import attend_plugin
+from macattn.plugins.mac import match_plugin
 
 
 def _cfg():

@@ -10,8 +10,8 @@ import pytest
 
 from macattn.builder import trtllm_build as tb
 from macattn.methods.mac.config import MacConfig
-from macattn.plugins.mac_attend import plugin as attend_plugin
-from macattn.plugins.mac_match import plugin as match_plugin
+from macattn.plugins.mac import attend_plugin
+from macattn.plugins.mac import match_plugin
 
 HAVE_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
 

@@ -1,4 +1,4 @@
-"""Attention summaries (SPEC §0): summarize, merge, removal, empty sets.
+"""Attention summaries (docs/spec.md §0): summarize, merge, removal, empty sets.
 
 Every expected value is computed independently with ``torch.softmax`` /
 ``torch.logsumexp`` over the index set, in fp64.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from macattn.plugins.mac_attend.plugin import attend_aot_image, attend_kernel_spec
-from macattn.plugins.mac_match.plugin import match_aot_image, match_kernel_spec
+from macattn.plugins.mac.attend_plugin import attend_aot_image, attend_kernel_spec
+from macattn.plugins.mac.match_plugin import match_aot_image, match_kernel_spec
 
 I64 = torch.int64
 

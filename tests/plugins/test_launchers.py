@@ -47,7 +47,7 @@ def _same_into_out(launch, args, state=()):
 
 
 def test_match_launcher_writes_out():
-    from macattn.plugins.mac_match.op import MacMatchLauncher
+    from macattn.plugins.mac.match_op import MacMatchLauncher
 
     pr = _problem()
     launch = MacMatchLauncher()
@@ -62,8 +62,8 @@ def test_match_launcher_writes_out():
 
 
 def test_attend_launcher_writes_out_and_rings():
-    from macattn.plugins.mac_attend.op import MacAttendLauncher
-    from macattn.plugins.mac_match.op import MacMatchLauncher
+    from macattn.plugins.mac.attend_op import MacAttendLauncher
+    from macattn.plugins.mac.match_op import MacMatchLauncher
 
     pr = _problem(5)
     match_pos, _ = MacMatchLauncher()(pr.q_pre, pr.qring, pr.ring_lse, pr.ring_pos, pr.slots, pr.positions, pr.band,
@@ -79,7 +79,7 @@ def test_attend_launcher_writes_out_and_rings():
 
 
 def test_attend_only_plan_refuses_the_match_stages():
-    from macattn.plugins.decode_plan import MacDecodePlan
+    from macattn.plugins.mac.decode_plan import MacDecodePlan
 
     pr = Problem(B=2, Hq=4, Hkv=2, d=16, K=32, band=8, tau=0.45, positions=[40, 71], kinds=_all("miss", 2, 4),
                  gen=torch.Generator().manual_seed(1)).to(DEVICE)
@@ -142,8 +142,8 @@ def test_register_kernels_is_explicit_and_idempotent():
     assert kernels.register_kernels() == names
     assert mac() + mka() + completion() == names
     assert all(kernels.registered_kernels()[n] is launchers[n] for n in names)
-    from macattn.plugins.mac_attend.op import MacAttendLauncher
-    from macattn.plugins.mac_match.op import MacMatchLauncher
+    from macattn.plugins.mac.attend_op import MacAttendLauncher
+    from macattn.plugins.mac.match_op import MacMatchLauncher
     assert isinstance(launchers["macattn::mac_match"], MacMatchLauncher)
     assert isinstance(launchers["macattn::mac_attend"], MacAttendLauncher)
     if not INTERPRET:   # CUDA tensors now dispatch to the registered launcher

@@ -36,7 +36,7 @@ def _poison(*shape, dtype, device=DEVICE):
 
 
 def _plan(pr: Problem, page_size=None, **kw):
-    from macattn.plugins.decode_plan import MacDecodePlan
+    from macattn.plugins.mac.decode_plan import MacDecodePlan
     return MacDecodePlan(batch_size=pr.B, max_context=pr.T, num_q_heads=pr.Hq, num_kv_heads=pr.Hkv, head_dim=pr.d,
                          window=pr.K, band=pr.band, tau=pr.tau, page_size=page_size, device=DEVICE, **kw)
 
@@ -296,7 +296,7 @@ def test_plan_rejects_bad_inputs():
                  page_table=torch.zeros(2, 4, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="q must be"):
         plan.run(pr.q[:1], pr.q_pre, pr.k, pr.v, pr.positions, pr.slots, *pr.rings())
-    from macattn.plugins.decode_plan import MacDecodePlan
+    from macattn.plugins.mac.decode_plan import MacDecodePlan
     with pytest.raises(ValueError, match="num_q_heads"):
         MacDecodePlan(batch_size=1, max_context=16, num_q_heads=6, num_kv_heads=4, head_dim=64, window=8, band=2,
                       tau=0.5, device=DEVICE)

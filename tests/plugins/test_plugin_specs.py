@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from macattn.plugins.mac_attend import plugin as attend_plugin
-from macattn.plugins.mac_match import plugin as match_plugin
+from macattn.plugins.mac import attend_plugin
+from macattn.plugins.mac import match_plugin
 
 BF16, F32, I64 = torch.bfloat16, torch.float32, torch.int64
 

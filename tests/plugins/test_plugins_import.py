@@ -6,7 +6,7 @@ import sys
 
 def test_import_without_triton_registers_nothing():
     code = ("import sys; sys.modules['triton'] = None\n"      # makes `import triton` raise ImportError
-            "import macattn.plugins as p, macattn.plugins.mac_match, macattn.plugins.mac_attend\n"
+            "import macattn.plugins as p, macattn.plugins.mac\n"
             "from macattn.methods.kernels import register_kernels, registered_kernels\n"
             "assert p.HAVE_TRITON is False and register_kernels() == () and not registered_kernels()\n"
             "import torch, macattn.methods.mac.ops\n"

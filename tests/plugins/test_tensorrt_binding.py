@@ -178,8 +178,8 @@ def test_aot_impl_returns_the_image(trtp):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_jit_impls_write_tensorrt_outputs_on_its_stream(trtp):
-    from macattn.plugins.mac_attend.op import MacAttendLauncher
-    from macattn.plugins.mac_match.op import MacMatchLauncher
+    from macattn.plugins.mac.attend_op import MacAttendLauncher
+    from macattn.plugins.mac.match_op import MacMatchLauncher
 
     impl = trtp.registry["impl"]
     pr = _mac_problem().to("cuda")

@@ -147,7 +147,7 @@ def test_p4_aot_image_with_dynamic_batch(trt):
 
 @pytest.mark.skipif(INTERPRET, reason="TRITON_INTERPRET: kernels are interpreted, not compiled")
 def test_p4_compile_image_takes_upstream_shape_exprs(trt):
-    from macattn.plugins.mac_match.plugin import match_aot_image
+    from macattn.plugins.mac.match_plugin import match_aot_image
     from tensorrt.plugin import ShapeExpr
     from tensorrt.plugin._tensor import SymIntExpr
 
@@ -274,7 +274,7 @@ def test_p6_jit_enqueue_bf16_through_upstream(trt):
     """Upstream's ``_TemplateJITPlugin.enqueue`` hands our impl ``tensorrt.plugin.Tensor``s whose
     ``__cuda_array_interface__`` refuses BF16; the impl must still run the launcher into TensorRT's buffers."""
     from mac_problem import Problem, _mixed_kinds
-    from macattn.plugins.mac_match.op import MacMatchLauncher
+    from macattn.plugins.mac.match_op import MacMatchLauncher
 
     g = torch.Generator().manual_seed(4)
     pr = Problem(B=2, Hq=4, Hkv=2, d=16, K=32, band=8, tau=0.45, positions=[40, 71], kinds=_mixed_kinds(2, 4, 2, g),
@@ -307,7 +307,7 @@ def test_aot_images_pin_triton_and_ptx_isa():
     import triton
 
     from macattn.plugins.aot import AOT_TRITON_PTX_ISA, HIDDEN_PARAMS
-    from macattn.plugins.mac_match.plugin import match_aot_image
+    from macattn.plugins.mac.match_plugin import match_aot_image
 
     assert triton.__version__ in AOT_TRITON_PTX_ISA
     img = match_aot_image([(2, 8, 64), (3, 8, 32, 64), (3, 8, 32), (3, 32), (2,), (2,)],

@@ -1,4 +1,4 @@
-"""The two-stage match kernels (``macattn.plugins.mac_match.two_stage``) against
+"""The two-stage match kernels (``macattn.plugins.mac.two_stage``) against
 ``mac_match_two_stage_reference``: every sketch, 1-16 candidates, d = 64 / 128, windows that are
 not a multiple of the scan block, several ring splits, empty and out-of-window slots, wrapped
 positions, unfinished entries (``lse = -inf``), poisoned outputs. GPU; ``MACATTN_TRITON_INTERPRET=1``
@@ -83,7 +83,7 @@ def _unstable(q, qs, qring, sring, ring_pos, slots, positions, C, thr):
 @pytest.mark.parametrize("B,Hq,K,d,m", [(1, 4, 100, 64, 130), (3, 8, 256, 128, 900), (2, 2, 37, 64, 37),
                                         (5, 4, 1024, 128, 5000)])
 def test_two_stage_kernels_equal_the_reference(sketch_kind, C, B, Hq, K, d, m):
-    from macattn.plugins.mac_match.op import TwoStageMatchLauncher
+    from macattn.plugins.mac.match_op import TwoStageMatchLauncher
 
     seed = zlib.crc32(f"{sketch_kind}/{C}/{B}/{K}".encode()) % 1000      # the same draw in every process
     host = _problem(B, Hq, K, d, m, seed, sketch_kind)
@@ -120,7 +120,7 @@ def test_two_stage_kernels_equal_the_reference(sketch_kind, C, B, Hq, K, d, m):
 
 
 def test_the_launcher_refuses_bad_inputs():
-    from macattn.plugins.mac_match.op import TwoStageMatchLauncher
+    from macattn.plugins.mac.match_op import TwoStageMatchLauncher
 
     q, qs, qring, sring, lse, pos, slots, positions = (t.to(DEVICE) for t in _problem(1, 2, 32, 64, 40, 0, "fp8"))
     run = TwoStageMatchLauncher()

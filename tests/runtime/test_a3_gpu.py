@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from macattn.methods.mac.config import MacConfig
+
 from _tiny import tiny_model
 from macattn.methods.a3.config import A3Config
 from macattn.runtime import ModelRunner
@@ -18,7 +20,7 @@ def test_cuda_runner_documents_match_reference(family, rho, tmp_path):
     systems, docs, questions = [r(6), r(3)], [[r(9), r(12), r(5)], [r(20)]], [r(5), r(7)]
     cfg = A3Config(rho=rho, method="a3", store_dir=str(tmp_path))
     # fp32 on both sides, MAC off (decode = exact attention through the paged Triton plan)
-    runner = ModelRunner.from_hf(tiny_model(family).float(), None, device="cuda",
+    runner = ModelRunner.from_hf(tiny_model(family).float(), MacConfig(enabled=False), device="cuda",
                                  max_batch_size=4, max_seq_len=128, num_blocks=64, block_size=8)
     out = runner.generate(systems, documents=docs, question_ids=questions, max_new_tokens=6, a3=cfg,
                           return_dict=True, output_sequence_lengths=True)

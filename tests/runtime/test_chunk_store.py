@@ -11,8 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from _tiny import tiny_model
-from macattn.runtime.chunk_store import (ChunkKVStore, ChunkStoreIntegrityError, model_fingerprint,
-                                         precompute_chunk_kv)
+from macattn.runtime.chunk_store import (LAYOUT, PREFIX_LAYOUT, ChunkKVStore, ChunkStoreIntegrityError,
+                                         model_fingerprint, precompute_chunk_kv, prefix_store)
 
 
 def _kv(T, seed=0, layers=2, dtype=torch.float32):
@@ -38,6 +38,21 @@ def test_round_trip_and_keys(tmp_path):
     assert ChunkKVStore(tmp_path, model_id="m", tokenizer_id="t2").get(ids, torch.float32) is None
     bf = store.put(ids, k.bfloat16(), v.bfloat16())
     assert bf != key and store.get(ids, torch.bfloat16)[0].dtype == torch.bfloat16
+
+
+def test_prefix_store_keeps_its_own_layout(tmp_path):
+    """The completion method's prompt prefixes (keys after RoPE) never answer an A3 chunk lookup of the
+    same tokens, nor another model's."""
+    ids = list(range(100, 111))
+    k, v = _kv(11, seed=5, dtype=torch.bfloat16)
+    store = prefix_store(tmp_path, model_id="tiny-llama@abc")
+    assert store.layout == PREFIX_LAYOUT != LAYOUT
+    store.put(ids, k, v)
+    got = store.get(ids, torch.bfloat16)
+    assert torch.equal(got[0], k) and torch.equal(got[1], v)
+    assert store.get(ids[:-1], torch.bfloat16) is None                            # another prefix
+    assert ChunkKVStore(tmp_path, model_id="tiny-llama@abc").get(ids, torch.bfloat16) is None   # A3's layout
+    assert prefix_store(tmp_path, model_id="other-model").get(ids, torch.bfloat16) is None
 
 
 @pytest.mark.parametrize("tamper", ["payload", "metadata_model", "shape", "ids", "truncate"])

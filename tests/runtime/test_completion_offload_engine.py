@@ -13,7 +13,7 @@ from macattn.methods.completion.offload import OffloadConfig
 from macattn.runtime.chunk_store import ChunkStoreIntegrityError, model_fingerprint
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.engine import LLMEngine
-from macattn.runtime.kv_tiers import prefix_store
+from macattn.runtime.chunk_store import prefix_store
 
 from _completion import completion_maps
 from _tiny import prompts, tiny_model
@@ -114,8 +114,8 @@ def test_llm_api_and_openai_server_offload_with_prefix_reuse(tmp_path):
              prefix_store=tmp_path) as llm:
         prompt = list(range(5, 75))
         sp = SamplingParams(max_tokens=4, temperature=0)
-        a = llm.generate(prompt, sp, reuse_prefix=True)
-        b = llm.generate(prompt, sp, reuse_prefix=True)
+        [a] = llm.generate(prompt, sp, reuse_prefix=True)
+        [b] = llm.generate(prompt, sp, reuse_prefix=True)
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.metrics["prefix_reused"] == 0.0 and b.metrics["prefix_reused"] == 1.0
         assert 0.0 <= b.metrics["offload_hit_rate"] <= 1.0 and b.metrics["offload_bytes_fetched"] > 0

@@ -64,7 +64,7 @@ def test_offloaded_graphs_equal_eager(prefetch):
 def test_prefix_reuse_on_the_gpu(tmp_path):
     """Persist from pinned host pages (asynchronous copies synchronised), reload, decode: = the prefilled run."""
     from macattn.runtime.chunk_store import model_fingerprint
-    from macattn.runtime.kv_tiers import prefix_store
+    from macattn.runtime.chunk_store import prefix_store
 
     ps = prompts(2, seed=8, lo=60, hi=95)
     model_id = model_fingerprint(tiny_model("llama", seed=2))

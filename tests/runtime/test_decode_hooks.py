@@ -111,9 +111,9 @@ def test_the_gpu_decode_drives_the_method_hooks_and_equals_the_cpu_decode(monkey
     for (_, key, valid), (_, B, kind) in zip(records, dones):
         assert key == "variant-a" and kind == "_PagedReference"
         assert valid == [1.0] * B + [0.0] * (len(valid) - B)        # padding rows weigh 0
-    # the step key: (greedy only, the method's key); the plans are made once per bucket
+    # the step key: (the sampler variant: argmax only, the method's key); the plans are made once per bucket
     dec = eng.executor.decoder
-    assert dec.step_key([]) == (True, "variant-a")
+    assert dec.step_key([]) == ((False, False, False), "variant-a")
     assert sorted(e[1] for e in log if e[0] == "plans") == sorted(dec.buckets)      # once per bucket
     assert all(isinstance(b.plans, _PagedReference) for b in dec.buckets.values())
 
@@ -135,7 +135,7 @@ def test_the_default_hooks():
 
 
 def test_the_engine_maps_mac_config_through_the_registry():
-    assert MacAttention.engine_config(None) == MacConfig(enabled=False)
+    assert MacAttention.engine_config(None) == MacConfig()           # None: MAC's defaults
     with pytest.raises(ValueError, match="miss_policy"):
         MacAttention.engine_config(MacConfig(miss_policy="completion"))
     on = MacConfig(window=16, band=4, tau=0.2)
@@ -147,8 +147,8 @@ def test_the_engine_maps_mac_config_through_the_registry():
     eng = LLMEngine(tiny_model(), on, rc)
     assert eng.method.config == on and eng.mac_state is eng.method.state
     assert eng.method_state("mac") is eng.method.state and eng.method_state("other") is None
-    off = LLMEngine(tiny_model(), None, rc)
-    assert off.mac_config == MacConfig(enabled=False) and off.method.config == off.mac_config
+    default = LLMEngine(tiny_model(), None, rc)             # None: MAC's defaults, as on every surface
+    assert default.mac_config == MacConfig() and default.method.config == default.mac_config
     full = LLMEngine(tiny_model(), on, rc, method="full")
     assert full.mac_state is None and full.mac_config == on and full.method.config == FullConfig()
     with pytest.raises(ValueError, match="miss_policy"):

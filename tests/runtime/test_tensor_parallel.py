@@ -1,4 +1,4 @@
-"""Tensor parallelism on the CPU over gloo (``runtime/tensor_parallel.py``): TP = 2 and 4 equal TP = 1
+"""Tensor parallelism on the CPU over gloo (``runtime/tensor_parallel/``): TP = 2 and 4 equal TP = 1
 (logits <= 1e-5 fp32, identical greedy tokens over 64 steps, identical MAC hit decisions) for the three
 families with MAC on and off; in-flight batching under TP equals solo runs; clear errors before any
 process starts; a killed worker, and a killed rank 0, stop the group within its timeout with no
@@ -94,7 +94,7 @@ def _drive(eng: LLMEngine, requests: list, *, joins: dict | None = None, record_
 
 @functools.lru_cache(maxsize=None)
 def _reference(family: str, mac_on: bool) -> dict:
-    eng = LLMEngine(tp_model(family), MAC if mac_on else None, RuntimeConfig(max_batch_size=2, block_size=8))
+    eng = LLMEngine(tp_model(family), MAC if mac_on else MacConfig(enabled=False), RuntimeConfig(max_batch_size=2, block_size=8))
     return _drive(eng, [(p, STEPS) for p in _prompts()], record_match=True)
 
 
@@ -103,7 +103,7 @@ def _reference(family: str, mac_on: bool) -> dict:
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_tp_equals_tp1(family, mac_on, tp):
     ref = _reference(family, mac_on)
-    eng = LLMEngine(tp_model(family), MAC if mac_on else None,
+    eng = LLMEngine(tp_model(family), MAC if mac_on else MacConfig(enabled=False),
                     RuntimeConfig(max_batch_size=2, block_size=8, tensor_parallel_size=tp))
     try:
         # a real shard: rank 0 holds its heads only, its rings too
@@ -155,9 +155,9 @@ def test_llm_api_tp2_equals_tp1():
 
     sp = SamplingParams(max_tokens=12, temperature=0)
     with LLM("builtin", max_batch_size=1, max_seq_len=64) as one:
-        ref = one.generate("In the beginning", sp)
+        [ref] = one.generate("In the beginning", sp)
     with LLM("builtin", max_batch_size=1, max_seq_len=64, tensor_parallel_size=2) as two:
-        got = two.generate("In the beginning", sp)
+        [got] = two.generate("In the beginning", sp)
         assert "mac_hit_rate" in got.metrics
     assert got.outputs[0].token_ids == ref.outputs[0].token_ids
     assert got.metrics["mac_hit_rate"] == pytest.approx(ref.metrics["mac_hit_rate"], abs=1e-12)
@@ -214,11 +214,11 @@ def test_unsharded_methods_and_bad_settings_are_refused():
 def test_servers_take_tp(capsys):
     from macattn.cli import build_parser, main
 
-    assert build_parser().parse_args(["serve", "--model", "builtin", "--tp", "2"]).tp == 2
-    assert build_parser().parse_args(["triton-repo", "--engine", "e", "--out", "o", "--tp", "4"]).tp == 4
+    assert build_parser().parse_args(["serve", "--model", "builtin", "--tp", "2"]).tensor_parallel_size == 2
+    assert build_parser().parse_args(["triton-repo", "--engine", "e", "--out", "o", "--tp", "4"]).tensor_parallel_size == 4
     with pytest.raises(SystemExit):
         main(["serve", "--repo", "repo", "--tp", "2"])
-    assert "--tp 2: a model repository carries its tensor-parallel size" in capsys.readouterr().err
+    assert "--tensor-parallel-size: a model repository carries its engine arguments" in capsys.readouterr().err
 
 
 def test_chunked_prompts_are_refused_under_tp():
@@ -300,7 +300,7 @@ def test_killed_rank0_takes_its_workers_down(tmp_path):
 
 _WEDGED = textwrap.dedent("""
     import sys, time
-    import macattn.runtime.tensor_parallel as tp
+    import macattn.runtime.tensor_parallel.group as tp
 
     tp._WEDGE_GRACE_S = 1.0
     if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Tensor parallelism on GPUs over NCCL (``runtime/tensor_parallel.py``): every rank's decode step as
+"""Tensor parallelism on GPUs over NCCL (``runtime/tensor_parallel/``): every rank's decode step as
 CUDA graphs per batch bucket over its paged pool = TP = 1 on one GPU; a killed worker stops the group
 within its timeout. Marked ``gpu``; the TP = 2 tests need two visible GPUs."""
 from __future__ import annotations

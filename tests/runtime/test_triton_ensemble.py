@@ -27,6 +27,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs tritonclient
 from macattn.methods.mac.config import MacConfig  # noqa: E402
 from macattn.models.checkpoint import BUILTIN_CHECKPOINT_DIR, load_builtin_checkpoint  # noqa: E402
 from macattn.runtime import ModelRunner, write_engine_dir  # noqa: E402
+from macattn.runtime.engine_args import EngineArgs  # noqa: E402
 from macattn.apps.serving.triton_repo import write_model_repository  # noqa: E402
 from macattn.apps.serving.triton_server import serve  # noqa: E402
 
@@ -44,7 +45,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("triton_text")
     model, tok = load_builtin_checkpoint()
     engine = write_engine_dir(model, MAC, root / "engine")
-    dirs = write_model_repository(engine, root / "repo", max_batch_size=4, block_size=16, torch_num_threads=1,
+    dirs = write_model_repository(engine, root / "repo", engine_args=EngineArgs(max_batch_size=4, block_size=16), torch_num_threads=1,
                                   sync_model=False, tokenizer_dir=BUILTIN_CHECKPOINT_DIR)
     assert {d.name for d in dirs} == {"macattn", "preprocessing", "postprocessing", "ensemble"}
     runner = ModelRunner.from_dir(engine, max_batch_size=4, block_size=16)

@@ -1,4 +1,5 @@
-"""``macattn triton-repo``: the repository layout, config.pbtxt contents and parameter round trip."""
+"""``macattn triton-repo``: the repository layout, config.pbtxt contents and the one ``engine_args`` parameter's
+round trip (``EngineArgs``)."""
 import json
 
 import pytest
@@ -7,6 +8,7 @@ from _tiny import MAC, tiny_model
 from macattn.cli import main
 from macattn.methods.mac.config import MacConfig
 from macattn.runtime import write_engine_dir
+from macattn.runtime.engine_args import EngineArgs
 from macattn.apps.serving.triton_repo import write_model_repository
 
 
@@ -38,25 +40,32 @@ def test_cli_writes_decoupled_and_sync_models(engine, tmp_path, capsys):
         assert 'name: "max_new_tokens" data_type: TYPE_INT32 dims: [ 1 ] }' in text
         assert 'name: "end_id" data_type: TYPE_INT32 dims: [ 1 ] optional: true' in text
         assert 'name: "output_ids" data_type: TYPE_INT64 dims: [ -1 ]' in text
-        assert 'key: "mac_window" value: { string_value: "16" }' in text
+        assert 'key: "mac_window"' not in text and 'key: "engine_args"' in text
     assert (tmp_path / "repo" / "macattn" / "1" / "model.py").is_file()
+    args = EngineArgs.from_json(_model_py_parameter_reader(tmp_path / "repo" / "macattn" / "1" / "model.py")(
+        "engine_args"))
+    assert args.max_batch_size == 4 and args.mac_config() == MAC          # the engine dir's MAC config
+    assert args.model == str((engine / "hf").resolve())
 
 
 def test_parameters_round_trip_through_pbtxt(engine, tmp_path):
     odd = [str(tmp_path / 'we"ird\\dir'), str(tmp_path / "ünïcode")]
     mac = MacConfig(window=8, band=2, tau=0.3).with_overrides({1: {"enabled": False}})
-    write_model_repository(engine, tmp_path / "repo", mac_config=mac, sys_path=odd, sync_model=False)
+    write_model_repository(engine, tmp_path / "repo", engine_args=EngineArgs(mac=mac.to_dict(), mac_tau=0.4),
+                           sys_path=odd, sync_model=False)
     assert not (tmp_path / "repo" / "macattn_sync").exists()
     read = _model_py_parameter_reader(tmp_path / "repo" / "macattn" / "1" / "model.py")
     assert json.loads(read("sys_path")) == odd
-    assert MacConfig.from_dict(json.loads(read("mac_config"))) == mac
-    assert read("engine_dir") == str(engine.resolve())
+    args = EngineArgs.from_json(read("engine_args"))
+    assert args.mac_config() == MacConfig(window=8, band=2, tau=0.4).with_overrides({1: {"enabled": False}})
     assert read("missing") is None
 
 
 def test_bad_arguments_are_named(engine, tmp_path):
     with pytest.raises(ValueError, match="max_batch_size"):
-        write_model_repository(engine, tmp_path / "r", max_batch_size=0)
+        write_model_repository(engine, tmp_path / "r", engine_args=EngineArgs(max_batch_size=0))
+    with pytest.raises(TypeError, match="engine_args"):
+        write_model_repository(engine, tmp_path / "r", engine_args={"max_batch_size": 2})
     with pytest.raises(ValueError, match="name"):
         write_model_repository(engine, tmp_path / "r", name="a b")
     with pytest.raises(FileNotFoundError, match="manifest.json"):
@@ -64,22 +73,21 @@ def test_bad_arguments_are_named(engine, tmp_path):
 
 
 def test_completion_offload_options_round_trip_and_build_the_method(engine, tmp_path):
-    """``triton-repo --completion --kv-offload host --prefix-store DIR`` writes the ``completion`` parameter and
-    the ``reuse_prefix`` input; the options parsed back build the offloaded engine method (what model.py does)."""
-    from macattn.runtime.completion_setup import completion_method, completion_options_from_json
-
+    """``triton-repo --completion --kv-offload host --prefix-store DIR`` writes them into ``engine_args`` and the
+    ``reuse_prefix`` input; the args read back build the offloaded engine method (what model.py does)."""
     store = tmp_path / "prefixes"
     assert main(["triton-repo", "--engine", str(engine), "--out", str(tmp_path / "repo"), "--completion",
-                 "--kv-offload", "host", "--prefix-store", str(store), "--no-sync-model"]) == 0
+                 "--kv-offload", "host", "--prefix-store", str(store), "--no-sync-model", "--max-seq-len", "128",
+                 "--max-batch-size", "2"]) == 0
     text = (tmp_path / "repo" / "macattn" / "config.pbtxt").read_text()
     assert 'name: "reuse_prefix" data_type: TYPE_BOOL dims: [ 1 ] optional: true' in text
     read = _model_py_parameter_reader(tmp_path / "repo" / "macattn" / "1" / "model.py")
-    opts = completion_options_from_json(read("completion"))
-    assert opts["kv_offload"] == "host" and opts["prefix_store"] == str(store)
-    name, cfg, kwargs = completion_method(tiny_model(), "completion", **opts)
-    assert name == "completion_offload" and cfg.selector == "quest" and kwargs["store"] is not None
+    args = EngineArgs.from_json(read("engine_args"))
+    assert args.method == "completion" and args.kv_offload == "host" and args.prefix_store == str(store)
+    eng = args.build_engine()
+    assert eng.method.name == "completion_offload" and eng.method.config.selector == "quest"
     with pytest.raises(ValueError, match="kv_offload"):
-        write_model_repository(engine, tmp_path / "r2", completion='{"kv_offload": "disk"}')
+        EngineArgs(method="completion", kv_offload="disk")
     with pytest.raises(SystemExit):          # argparse's error: the message names the flags
         main(["triton-repo", "--engine", str(engine), "--out", str(tmp_path / "r3"), "--kv-offload", "host"])
     assert not (tmp_path / "r3").exists()

@@ -25,6 +25,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs tritonclient
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from macattn.runtime import ModelRunner, write_engine_dir  # noqa: E402
+from macattn.runtime.engine_args import EngineArgs  # noqa: E402
 from macattn.apps.serving.triton_repo import write_model_repository  # noqa: E402
 from macattn.apps.serving.triton_server import prepare_tritonserver, serve  # noqa: E402
 
@@ -51,7 +52,7 @@ pytestmark = pytest.mark.skipif(_why is not None, reason=str(_why))
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("triton")
     engine = write_engine_dir(tiny_model(), MAC, root / "engine")
-    write_model_repository(engine, root / "repo", max_batch_size=8, block_size=8, torch_num_threads=1)
+    write_model_repository(engine, root / "repo", engine_args=EngineArgs(max_batch_size=8, block_size=8), torch_num_threads=1)
     try:
         with serve(root / "repo", root) as running:
             http = httpclient.InferenceServerClient(running.http_url, concurrency=16)
@@ -182,7 +183,7 @@ def test_serve_command_stops_tritonserver_and_its_stubs_on_sigterm(tmp_path):
     import sys
 
     engine = write_engine_dir(tiny_model(), MAC, tmp_path / "engine")
-    write_model_repository(engine, tmp_path / "repo", max_batch_size=2, block_size=8, torch_num_threads=1)
+    write_model_repository(engine, tmp_path / "repo", engine_args=EngineArgs(max_batch_size=2, block_size=8), torch_num_threads=1)
     proc = sp.Popen([sys.executable, "-m", "macattn.cli", "serve", "--repo", str(tmp_path / "repo"), "--workdir",
                      str(tmp_path / "work"), "--http-port", "0", "--grpc-port", "0"], stdout=sp.PIPE, stderr=sp.STDOUT,
                     text=True)

@@ -1,31 +1,42 @@
-"""The LLM API: text in, text out, with TensorRT-LLM's LLM API names (``tensorrt_llm.LLM``,
-``SamplingParams``, ``RequestOutput`` / ``CompletionOutput``) over the in-flight batching engine.
+"""The LLM API: text in, text out, as vLLM and TensorRT-LLM users write it (``LLM``, ``SamplingParams``,
+``RequestOutput`` / ``CompletionOutput``, the names of both), over the in-flight batching engine.
 
     from macattn import LLM, SamplingParams
     llm = LLM("builtin")                                  # or a transformers model directory
     for out in llm.generate(["The gospel of", "In the beginning"], SamplingParams(max_tokens=16)):
         print(out.prompt, "->", out.outputs[0].text, out.outputs[0].finish_reason)
 
-Prompts are strings (tokenized with the model's tokenizer; the built-in checkpoint ships its own) or
-token id lists. ``SamplingParams`` takes TensorRT-LLM's field names; sampling is greedy unless
-``temperature`` / ``top_k`` / ``top_p`` ask otherwise (``temperature=0`` is greedy too). Fields we do
-not implement are accepted at their neutral values; another value raises ``ValueError`` naming the
-field. Stop strings and extra stop token ids end a request after the step that produced them (its
-slot is freed at once); the text is cut before the stop string unless ``include_stop_str_in_output``.
+Prompts: a string (tokenized with the model's tokenizer; the built-in checkpoint ships its own), a token id
+list, a dict ``{"prompt": text}`` (vLLM's ``TextPrompt``) or ``{"prompt_token_ids": ids}`` (``TokensPrompt``),
+or a list of any of these. ``generate`` and ``chat`` always return a list, one ``RequestOutput`` per prompt (a
+single prompt gives a list of one), as vLLM and TensorRT-LLM do. ``chat`` renders conversations with the
+tokenizer's chat template (the built-in one: ``macattn.models.checkpoint``).
+
+``SamplingParams`` takes the field names of both (``SamplingParams`` doc: every field and its range). Greedy
+iff ``temperature == 0`` or ``top_k == 1``, or nothing asks for sampling (``SamplingParams()``: greedy, as in
+TensorRT-LLM); any ``temperature > 0`` samples (with ``top_k`` / ``top_p`` / ``min_p`` cuts when given).
+Fields of either API that this engine does not implement and that would change the output are accepted only
+at their neutral value; another value raises ``ValueError("not supported by this engine: ...")``. Stop
+strings and stop token ids end a request after the step that produced them (its slot is freed at once); the
+text is cut before the stop string unless ``include_stop_str_in_output``. ``n > 1`` samples the prompt ``n``
+times as forked requests sharing its prefilled KV (``RequestOutput.outputs[i]``, seeds ``seed + i``).
 
 One engine loop (a daemon thread started on first use) runs the engine's steps for every caller:
-``generate`` (blocking, a batch), ``generate_async`` (a ``RequestHandle``: ``result()``, iteration over
-streamed ``RequestOutput`` snapshots, ``async for``, ``abort()``), from any number of threads; requests
-submitted while others run join the next step (in-flight batching). ``shutdown()`` (or ``with LLM(...)``)
-stops the loop and aborts what is left.
+``generate`` / ``chat`` (blocking, a batch, an optional tqdm bar), ``generate_async`` (a ``RequestHandle``:
+``result()``, ``aresult()``, iteration over streamed ``RequestOutput`` snapshots, ``async for``, ``abort()``),
+from any number of threads; requests submitted while others run join the next step (in-flight batching).
+``shutdown()`` (or ``with LLM(...)``) stops the loop and aborts what is left.
 """
 from __future__ import annotations
 
 import asyncio
 import math
 import queue
+import random
+import sys
 import threading
 import time
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,106 +45,247 @@ from typing import Any
 import torch
 
 from macattn.methods.mac.config import MacConfig
-from macattn.runtime.completion_setup import completion_method
-from macattn.runtime.config import RuntimeConfig
-from macattn.runtime.engine import LLMEngine
+from macattn.runtime.engine_args import EngineArgs
+from macattn.runtime.sampling import MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_TOKEN_IDS
 from macattn.runtime.sampling import SamplingParams as EngineSampling
+from macattn.runtime.word_lists import with_bans
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestHandle"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestHandle", "REFUSED"]
 
-# fields accepted only at these neutral values (name -> values that mean "off")
-_NEUTRAL: dict[str, tuple] = {
-    "n": (1,), "best_of": (None, 1), "use_beam_search": (False,), "repetition_penalty": (None, 1.0),
-    "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "length_penalty": (None,),
-    "min_tokens": (None, 0, 1), "min_p": (None, 0.0), "bad": (None,), "bad_token_ids": (None,),
-    "prompt_logprobs": (None,), "return_context_logits": (False,), "exclude_input_from_output": (True,),
-    "embedding_bias": (None,), "logits_processor": (None,), "guided_decoding": (None,),
-    "truncate_prompt_tokens": (None,), "no_repeat_ngram_size": (None,), "beam_width_array": (None,),
+# fields of vLLM's / TensorRT-LLM's SamplingParams this engine does not implement, accepted only at these
+# values (they leave the output as it is); another value raises "not supported by this engine: name=value"
+REFUSED: dict[str, tuple] = {
+    "use_beam_search": (False,), "beam_width": (None, 1), "length_penalty": (None, 1.0),
+    "early_stopping": (None, False), "beam_search_diversity_rate": (None, 0.0), "beam_width_array": (None,),
+    "no_repeat_ngram_size": (None, 0), "top_p_min": (None,), "top_p_reset_ids": (None,), "top_p_decay": (None,),
+    "bad": (None, []), "bad_words": (None, []), "allowed_token_ids": (None,), "embedding_bias": (None,),
+    "logits_processor": (None,), "logits_processors": (None, []), "apply_batched_logits_processor": (False,),
+    "guided_decoding": (None,), "structured_outputs": (None,), "lookahead_config": (None,),
+    "return_context_logits": (False,), "exclude_input_from_output": (True,), "return_encoder_output": (False,),
+    "additional_model_outputs": (None,), "spaces_between_special_tokens": (True,), "return_log_probs": (False,),
+    "extra_args": (None,), "flat_logprobs": (False,), "return_perf_metrics": (False, True),
 }
+# older spellings (TensorRT-LLM's deprecated names) -> the field
+_ALIASES = {"max_new_tokens": "max_tokens", "random_seed": "seed", "min_length": "min_tokens"}
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _same(value, neutral) -> bool:
+    """``value`` is the neutral value ``neutral`` (numbers by value, ``True`` never equal to ``1``)."""
+    if value is neutral:
+        return True
+    if neutral is None or value is None or isinstance(value, bool) != isinstance(neutral, bool):
+        return False
+    return (type(value) is type(neutral) or (_is_real(value) and _is_real(neutral))) and value == neutral
+
+
+def _real(name: str, value, lo: float, hi: float, what: str, *, lo_open: bool = False, none: bool = False):
+    """``value`` as a float in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``; None when ``none``), else a
+    ``ValueError`` naming ``name`` and ``what`` (the range in words)."""
+    if value is None and none:
+        return None
+    ok = _is_real(value) and math.isfinite(value) and (lo < value if lo_open else lo <= value) and value <= hi
+    if not ok:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return float(value)
+
+
+def _int(name: str, value, lo: int, what: str, *, none: bool = True, hi: int | None = None):
+    if value is None and none:
+        return None
+    if not _is_int(value) or value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True, init=False)
 class SamplingParams:
-    """TensorRT-LLM's ``SamplingParams`` fields this API implements (the others in ``_NEUTRAL``).
+    """One request's sampling and output options, with vLLM's and TensorRT-LLM's field names (older
+    TensorRT-LLM spellings ``max_new_tokens`` / ``random_seed`` / ``min_length`` accepted). Each is validated
+    on construction (``ValueError`` naming the field and its range); an unknown name raises ``TypeError``;
+    fields in ``REFUSED`` are accepted only at their neutral values.
 
-    max_tokens: tokens to generate (>= 1). temperature: None = 1.0, 0 = greedy, else > 0.
-    top_k / top_p: None = 0 (no cut); greedy iff ``top_k == 1`` or both are 0 (TensorRT-LLM's rule).
-    seed: sampling seed (None: drawn per request). end_id: stop token (None: the tokenizer's EOS;
-    ``ignore_eos`` disables it). pad_id: kept for the servers' padding. stop / stop_token_ids: more
-    stop conditions. logprobs: None, or k >= 0: each generated token's log probability plus the
-    ``k`` most likely tokens'. return_generation_logits: keep every step's logits ``[V]`` fp32.
-    detokenize / skip_special_tokens / add_special_tokens: tokenizer behaviour."""
+    Length and number: ``max_tokens`` int >= 1, or None = the rest of the context (``max_seq_len`` minus the
+    prompt); default 32. ``min_tokens`` int in [0, max_tokens]: the end token and ``stop_token_ids`` are banned
+    and stop strings not checked before that many tokens. ``n`` int >= 1: sequences sampled from the prompt
+    (forked requests; ``RequestOutput.outputs[i]``). ``best_of``: None or ``n`` (more is not supported).
 
-    max_tokens: int = 32
+    Sampling (greedy iff ``temperature == 0`` or ``top_k == 1``, or none of ``temperature`` > 0, ``top_k`` > 1,
+    ``top_p`` in (0, 1] is given): ``temperature`` float >= 0 (None: 1.0 once sampling). ``top_k`` int >= -1
+    (-1 / 0 / None: no cut). ``top_p`` float in [0, 1] (0 / 1 / None: no cut). ``min_p`` float in [0, 1]
+    (0 = off). ``seed`` int in [0, 2^63 - 1] (None: ``EngineArgs.seed``'s generator, else a fresh seed); a
+    request's tokens depend only on its seed and prompt, never on the batch. ``presence_penalty`` /
+    ``frequency_penalty`` float in [-2, 2] (0 = off; OpenAI's, over the generated tokens).
+    ``repetition_penalty`` float > 0 (1 = off; over prompt and generated tokens). ``logit_bias``: a mapping
+    token id (int >= 0) -> bias (float in [-100, 100]), at most 64 entries. ``bad_token_ids``: token ids never
+    generated (TensorRT-LLM's).
+
+    Stopping: ``stop`` a string or a list of non-empty strings; ``stop_token_ids`` ints >= 0 (at most 16; the
+    token is kept in the output); ``include_stop_str_in_output``; ``ignore_eos`` (no end token);
+    ``end_id`` (TensorRT-LLM: the end token; None = the tokenizer's EOS); ``pad_id``.
+
+    Outputs: ``logprobs`` int >= 0 or None: each generated token's log probability plus the ``k`` most likely
+    tokens' (the model's log-softmax before penalties and bias). ``prompt_logprobs`` int >= 0 or None: the same
+    for every prompt token given its prefix (``RequestOutput.prompt_logprobs``; position 0 is None).
+    ``return_generation_logits``: every step's logits ``[V]`` fp32. ``truncate_prompt_tokens`` int >= 1:
+    keep the prompt's last k tokens. ``detokenize`` / ``skip_special_tokens`` / ``add_special_tokens``:
+    tokenizer behaviour."""
+
+    max_tokens: int | None = 32
+    min_tokens: int = 0
+    n: int = 1
+    best_of: int | None = None
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float = 0.0
     seed: int | None = None
-    end_id: int | None = None
-    pad_id: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict | None = None
+    bad_token_ids: list[int] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None
-    return_generation_logits: bool = False
     ignore_eos: bool = False
+    end_id: int | None = None
+    pad_id: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    return_generation_logits: bool = False
+    truncate_prompt_tokens: int | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
     add_special_tokens: bool = True
 
     def __init__(self, **kwargs: Any) -> None:
         known = type(self).__dataclass_fields__
+        for old, new in _ALIASES.items():
+            if old in kwargs:
+                if new in kwargs:
+                    raise TypeError(f"SamplingParams got both {old!r} and {new!r} (the same field)")
+                kwargs[new] = kwargs.pop(old)
         for name, value in kwargs.items():
             if name in known:
                 continue
-            if name not in _NEUTRAL:
+            if name not in REFUSED:
                 raise TypeError(f"SamplingParams got an unknown field {name!r}")
-            if value not in _NEUTRAL[name]:
-                raise ValueError(f"{name}={value!r} is not supported (accepted: {list(_NEUTRAL[name])})")
+            if not any(_same(value, v) for v in REFUSED[name]):
+                raise ValueError(f"not supported by this engine: {name}={value!r} (accepted: {list(REFUSED[name])})")
         for name, f in known.items():
             object.__setattr__(self, name, kwargs.get(name, f.default))
         self._validate()
 
     def _validate(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        t = self.temperature
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0):
-            raise ValueError(f"temperature must be a finite float >= 0 or None, got {t!r}")
-        p = self.top_p
-        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0):
-            raise ValueError(f"top_p must be a float in [0, 1] or None, got {self.top_p!r}")
-        for name in ("top_k", "seed", "end_id", "pad_id", "logprobs"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise ValueError(f"{name} must be an int >= 0 or None, got {v!r}")
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
+        _int("max_tokens", self.max_tokens, 1, "an int >= 1 or None (the rest of the context)")
+        hi = self.max_tokens
+        _int("min_tokens", self.min_tokens, 0, f"an int in [0, max_tokens={hi}]" if hi else "an int >= 0",
+             none=False, hi=hi)
+        _int("n", self.n, 1, "an int >= 1", none=False)
+        if self.best_of is not None and self.best_of != self.n:
+            if not _is_int(self.best_of) or self.best_of < self.n:
+                raise ValueError(f"best_of must be None or an int >= n={self.n}, got {self.best_of!r}")
+            raise ValueError(f"not supported by this engine: best_of={self.best_of} > n={self.n} (best_of must be "
+                             "None or n)")
+        _real("temperature", self.temperature, 0.0, math.inf, "a finite float >= 0 (0 = greedy) or None", none=True)
+        _int("top_k", self.top_k, -1, "an int >= -1 (-1 or 0: no cut; 1: greedy) or None")
+        _real("top_p", self.top_p, 0.0, 1.0, "a float in [0, 1] (0 or 1: no cut) or None", none=True)
+        _real("min_p", self.min_p, 0.0, 1.0, "a float in [0, 1] (0 = off)")
+        _int("seed", self.seed, 0, "an int in [0, 2^63 - 1] or None", hi=MAX_SEED)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _real(name, getattr(self, name), -2.0, 2.0, "a float in [-2, 2] (0 = off)")
+        _real("repetition_penalty", self.repetition_penalty, 0.0, math.inf, "a finite float > 0 (1 = off)",
+              lo_open=True)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        for name, most in (("stop_token_ids", MAX_STOP_TOKEN_IDS), ("bad_token_ids", MAX_LOGIT_BIAS)):
+            ids = getattr(self, name)
+            if ids is None:
+                continue
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__") or \
+                    any(not _is_int(i) or i < 0 for i in ids) or len(list(ids)) > most:
+                raise ValueError(f"{name} must be a list of at most {most} ints >= 0, got {ids!r}")
+            object.__setattr__(self, name, list(dict.fromkeys(ids)))
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stops is not None and (not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) or not s
+                                                                                 for s in stops)):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        ids = self.stop_token_ids or []
-        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-            raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+        for name in ("end_id", "pad_id"):
+            _int(name, getattr(self, name), 0, "an int >= 0 or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            _int(name, getattr(self, name), 0, "an int >= 0 (the top-k per position) or None")
+        _int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, "an int >= 1 or None")
+        for name in ("include_stop_str_in_output", "ignore_eos", "return_generation_logits", "detokenize",
+                     "skip_special_tokens", "add_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def engine_params(self, eos_id: int | None) -> EngineSampling:
-        """The engine's per-request sampling parameters (``macattn.runtime.sampling.SamplingParams``)."""
-        greedy = self.temperature == 0
-        return EngineSampling(max_new_tokens=self.max_tokens,
-                              end_id=None if self.ignore_eos else (self.end_id if self.end_id is not None else eos_id),
-                              temperature=1.0 if greedy or self.temperature is None else float(self.temperature),
-                              top_k=1 if greedy else (self.top_k or 0), top_p=0.0 if greedy else float(self.top_p or 0.0),
-                              random_seed=self.seed)
+    @property
+    def greedy(self) -> bool:
+        """The module doc's rule: ``temperature == 0`` or ``top_k == 1``, or no field asks for sampling."""
+        if self.temperature == 0 or self.top_k == 1:
+            return True
+        asks = ((self.temperature is not None and self.temperature > 0) or (self.top_k or 0) > 1
+                or (self.top_p is not None and self.top_p > 0))
+        return not asks
+
+    def engine_params(self, eos_id: int | None, *, max_new_tokens: int | None = None,
+                      seed: int | None = None) -> EngineSampling:
+        """The engine's per-request parameters (``macattn.runtime.sampling.SamplingParams``): ``max_new_tokens``
+        replaces ``max_tokens`` (required when it is None), ``seed`` is used when the request gives none."""
+        if max_new_tokens is None:
+            if self.max_tokens is None:
+                raise ValueError("max_tokens=None (the rest of the context) needs the prompt: pass max_new_tokens")
+            max_new_tokens = self.max_tokens
+        greedy = self.greedy
+        temperature = 1.0 if greedy or self.temperature is None else self.temperature
+        params = EngineSampling(
+            max_new_tokens=max_new_tokens,
+            end_id=None if self.ignore_eos else (self.end_id if self.end_id is not None else eos_id),
+            temperature=float(temperature), top_k=1 if greedy else max(self.top_k or 0, 0),
+            top_p=0.0 if greedy else (1.0 if not self.top_p else float(self.top_p)),
+            random_seed=self.seed if self.seed is not None else seed, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias, min_tokens=self.min_tokens,
+            stop_token_ids=tuple(self.stop_token_ids or ()), prompt_logprobs=self.prompt_logprobs)
+        return with_bans(params, self.bad_token_ids or ())
+
+
+def _logit_bias(value) -> dict[int, float] | None:
+    """``logit_bias`` as ``{token id: bias}`` (JSON's string keys of digits accepted), validated."""
+    if value is None:
+        return None
+    what = f"logit_bias must map token ids (int >= 0) to biases (float in [-100, 100]), at most {MAX_LOGIT_BIAS}"
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{what}; got {type(value).__name__} {value!r}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"{what}; got {len(value)} entries")
+    out = {}
+    for k, v in value.items():
+        t = int(k) if isinstance(k, str) and k.isdigit() else k
+        if not _is_int(t) or t < 0 or not _is_real(v) or not math.isfinite(v) or not -100 <= v <= 100:
+            raise ValueError(f"{what}; got the entry {k!r}: {v!r}")
+        out[t] = float(v)
+    return out
 
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence: ``text``, ``token_ids`` (the stop tokens included; the end token is
-    not emitted), ``logprobs`` (per token ``{token_id: logprob}``: the sampled token and the top
-    ``SamplingParams.logprobs``), ``cumulative_logprob``, ``finish_reason`` (``"stop"`` / ``"length"``),
-    ``stop_reason`` (the stop string or stop token id that ended it; None for the end token),
+    """One generated sequence: ``index`` (of the ``n``), ``text``, ``token_ids`` (stop tokens included; the
+    end token is not emitted), ``logprobs`` (per token ``{token_id: logprob}``: the sampled token and the top
+    ``SamplingParams.logprobs``), ``cumulative_logprob``, ``finish_reason`` (``"stop"`` / ``"length"`` /
+    ``"abort"``), ``stop_reason`` (the stop string or stop token id that ended it; None for the end token),
     ``generation_logits`` ``[len(token_ids), V]`` fp32 when asked."""
 
     index: int
@@ -145,14 +297,20 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     generation_logits: torch.Tensor | None = None
 
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestOutput:
-    """``prompt`` (None for a token id prompt), ``prompt_token_ids``, ``outputs`` (one
-    ``CompletionOutput``), ``finished``, ``metrics``: ``ttft_s`` (submission to first token),
-    ``inter_token_latency_s`` (mean gap between later tokens), ``e2e_s``, ``num_generated_tokens`` and
-    the method's figures of the request (MAC: ``mac_hit_rate``, the share of its (step, layer, head)
-    matches that hit, and ``mac_kv_skip``, the mean share of the prefix a step skipped)."""
+    """``prompt`` (None for a token id prompt), ``prompt_token_ids``, ``outputs`` (``n`` ``CompletionOutput``s,
+    index order), ``finished`` (all of them), ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``: per
+    prompt position None for position 0, else ``{prompt token: logprob, top-k tokens: logprob}``), ``metrics``:
+    ``ttft_s`` (submission to first token), ``inter_token_latency_s`` (mean gap between later tokens),
+    ``e2e_s``, ``num_generated_tokens`` (all sequences) and the method's figures of the request (of its first
+    sequence; MAC: ``mac_hit_rate``, the share of its (step, layer, head) matches that hit, and ``mac_kv_skip``,
+    the mean share of the prefix a step skipped)."""
 
     request_id: int
     prompt: str | None
@@ -160,100 +318,220 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list | None = None
+
+
+def _progress(use_tqdm, total: int, desc: str):
+    """A tqdm bar over ``total`` requests, or None: ``use_tqdm`` True / False, a tqdm-like factory, or None
+    (a bar exactly when stderr is a terminal)."""
+    if use_tqdm is None:
+        use_tqdm = sys.stderr.isatty()
+    if use_tqdm is False or not total:
+        return None
+    if callable(use_tqdm) and use_tqdm is not True:
+        return use_tqdm(total=total, desc=desc, unit="req")
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True)
+
+
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _is_token_ids(x) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(_is_int(t) for t in x)
+
+
+def _prompt_list(prompts) -> list:
+    """``prompts`` as a list of single prompts (module doc: one prompt, or a list of them)."""
+    if isinstance(prompts, (str, Mapping)) or _is_token_ids(prompts):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if not prompts:
+            raise ValueError("prompts is empty: give a prompt or a non-empty list of prompts")
+        return list(prompts)
+    raise TypeError(f"prompts must be a string, a token id list, a dict with 'prompt' or 'prompt_token_ids', or "
+                    f"a list of them; got {type(prompts).__name__}")
 
 
 class LLM:
-    """model: ``"builtin"`` (the packaged trained checkpoint and its tokenizer), a transformers
-    model directory, or a ``*ForCausalLM`` object (then ``tokenizer`` is required). method: the
-    attention method (``"mac"``, ``"full"``, …). mac: a ``MacConfig``, a per-layer file from
-    ``macattn tune``, ``"off"``, or None (MAC's defaults). dtype: ``"auto"`` or a torch dtype;
-    device, max_batch_size, max_seq_len, quantization, use_cuda_graphs (None: on CUDA), max_num_batched_tokens
-    (the token budget of one engine step; None: 8192 on CUDA, whole prompts on the CPU), tensor_parallel_size (ranks the model is
-    sharded over, ``runtime/tensor_parallel.py``): the runtime's (``RuntimeConfig``).
+    """model: ``"builtin"`` (the packaged trained checkpoint and its tokenizer; also ``"trained"``,
+    ``"tiny-llama"``), a transformers model directory, or a ``*ForCausalLM`` object (then ``tokenizer`` is
+    required: an object or a tokenizer directory). ``tokenizer``: a tokenizer object or directory (default: the
+    model's). Every other keyword argument is an ``EngineArgs`` field (``macattn.runtime.engine_args``: the same
+    options, defaults and meanings as ``macattn serve``'s flags and ``ModelRunner.from_hf``) — ``method``
+    (``"mac"``, ``"full"``, ``"completion"``, ...), ``mac`` (None: MAC's defaults; ``"off"``; a ``MacConfig``;
+    a per-layer file from ``macattn tune``), ``mac_tau`` / ``mac_window`` / ``mac_band``, ``dtype`` (``"auto"``,
+    ``"bfloat16"``, ``"half"``, ... or a torch dtype), ``device``, ``max_batch_size``, ``max_seq_len``,
+    ``max_num_batched_tokens``, ``use_cuda_graphs`` (None: on CUDA), ``quantization``,
+    ``tensor_parallel_size``, ``trust_remote_code``, ``gpu_memory_utilization`` (on CUDA: the KV pool sized
+    from free memory; unused on the CPU), ``enable_prefix_caching`` (only False), ``seed`` (the seeds of
+    requests that give none), retrieval-completion's ``completion_maps`` / ``kv_offload`` / ``prefix_store``.
+    vLLM / TensorRT-LLM spellings: ``max_model_len`` = ``max_seq_len``, ``max_num_seqs`` = ``max_batch_size``,
+    ``max_num_tokens`` = ``max_num_batched_tokens``, ``enforce_eager=True`` = ``use_cuda_graphs=False``.
+    ``completion`` (a ``CompletionConfig``) and ``offload`` (an ``OffloadConfig``) are retrieval-completion's
+    options as objects. An unknown keyword raises ``TypeError`` naming it.
 
-    Retrieval-completion (``method="completion"``): ``completion`` its ``CompletionConfig`` (default: the
-    exhaustive selector; with ``kv_offload`` the page selector ``"quest"``), ``completion_maps`` the distilled
-    feature maps (a ``save_feature_maps`` directory, a ``CompletionFeatureMaps``, or None: the untrained
-    Performer initialisation). ``kv_offload="host"``: the prompt KV lives in host memory and each step
-    fetches the pages it selects (``macattn.methods.completion.offload``; sizes in ``offload``, an
-    ``OffloadConfig``, capacity checked here); ``prefix_store``: a directory where prompts' KV persist
-    (model identity and sha256 checked on load), used by ``generate(..., reuse_prefix=True)``."""
+    Retrieval-completion (``method="completion"``): the exhaustive selector by default (with ``kv_offload``
+    the page selector ``"quest"``); ``kv_offload="host"``: the prompt KV lives in host memory and each step
+    fetches the pages it selects (``macattn.methods.completion.offload``); ``prefix_store``: a directory where
+    prompts' KV persist (model identity and sha256 checked on load), used by ``generate(..., reuse_prefix=True)``."""
 
-    def __init__(self, model: Any = "builtin", *, tokenizer: Any = None, method: str = "mac", mac: Any = None,
-                 dtype: Any = "auto", device: str = "cpu", max_batch_size: int = 8, max_seq_len: int | None = None,
-                 quantization: str | None = None, use_cuda_graphs: bool | None = None,
-                 max_num_batched_tokens: int | None = None, tensor_parallel_size: int = 1, completion: Any = None,
-                 completion_maps: Any = None, kv_offload: str | None = None, offload: Any = None,
-                 prefix_store: Any = None) -> None:
+    _SPELLINGS = {"max_model_len": "max_seq_len", "max_num_seqs": "max_batch_size",
+                  "max_num_tokens": "max_num_batched_tokens"}
+
+    def __init__(self, model: Any = "builtin", *, tokenizer: Any = None, completion: Any = None, offload: Any = None,
+                 **engine_args: Any) -> None:
         self._engine_loop: _EngineLoop | None = None
-        hf, tok = self._load(model, tokenizer, dtype)
-        self.tokenizer = tok
-        mac_config = None
-        if method == "mac":
-            mac_config = (mac if isinstance(mac, MacConfig) else MacConfig(enabled=False) if mac == "off"
-                          else MacConfig() if mac is None else MacConfig.load(mac))
-        elif mac is not None:
-            raise ValueError(f"mac is MAC's configuration; method={method!r} takes none")
-        rc = RuntimeConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device,
-                           use_cuda_graphs=device.startswith("cuda") if use_cuda_graphs is None else use_cuda_graphs,
-                           quantization=quantization, max_num_batched_tokens=max_num_batched_tokens,
-                           tensor_parallel_size=tensor_parallel_size)
-        engine_method, method_config, method_kwargs = completion_method(
-            hf, method, completion=completion, maps=completion_maps, kv_offload=kv_offload, offload=offload,
-            prefix_store=prefix_store)
-        self.engine = LLMEngine(hf, mac_config, rc, method=engine_method, method_config=method_config,
-                                method_kwargs=method_kwargs)
+        for alias, name in self._SPELLINGS.items():
+            if alias in engine_args:
+                value = engine_args.pop(alias)
+                if name in engine_args and engine_args[name] != value:
+                    raise ValueError(f"{alias}={value!r} and {name}={engine_args[name]!r} name the same engine "
+                                     "argument: give one")
+                engine_args[name] = value
+        if "enforce_eager" in engine_args:
+            eager = engine_args.pop("enforce_eager")
+            if not isinstance(eager, bool):
+                raise TypeError(f"enforce_eager must be a bool, got {eager!r}")
+            if eager:
+                if engine_args.get("use_cuda_graphs"):
+                    raise ValueError("enforce_eager=True contradicts use_cuda_graphs=True")
+                engine_args["use_cuda_graphs"] = False
+        if isinstance(engine_args.get("mac"), MacConfig):
+            engine_args["mac"] = engine_args["mac"].to_dict()
+        if isinstance(engine_args.get("dtype"), torch.dtype):
+            engine_args["dtype"] = str(engine_args["dtype"]).removeprefix("torch.")
+        if isinstance(tokenizer, (str, Path)):
+            engine_args["tokenizer"] = str(tokenizer)
+            tokenizer = None
+        named = isinstance(model, (str, Path))
+        self.args = EngineArgs.from_kwargs(**({"model": str(model)} if named else {}), **engine_args)
+        if named:
+            hf, tok = self.args.load_model(with_tokenizer=tokenizer is None)
+        elif tokenizer is None and self.args.tokenizer is None:
+            raise ValueError("tokenizer (an object or a tokenizer directory) is required when model is a model object")
+        else:
+            hf, tok = model, None
+            if tokenizer is None:
+                from transformers import AutoTokenizer
 
-    @staticmethod
-    def _load(model, tokenizer, dtype):
-        torch_dtype = None if dtype == "auto" else dtype
-        if isinstance(model, str) and model == "builtin":
-            from macattn.models.checkpoint import load_builtin_checkpoint
+                tok = AutoTokenizer.from_pretrained(self.args.tokenizer, local_files_only=True,
+                                                    trust_remote_code=self.args.trust_remote_code)
+        self.tokenizer = tokenizer or tok
+        self._seeds = None if self.args.seed is None else random.Random(self.args.seed)
+        self._seeds_lock = threading.Lock()
+        self.engine = self.args.build_engine(hf, completion=completion, offload=offload)
 
-            hf, tok = load_builtin_checkpoint(dtype=torch_dtype or torch.float32)
-            return hf, tokenizer or tok
-        if isinstance(model, (str, Path)):
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+    # --- the tokenizer ----------------------------------------------------------------------
+    def get_tokenizer(self):
+        """The tokenizer prompts are encoded and outputs decoded with (vLLM's name)."""
+        return self.tokenizer
 
-            hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch_dtype or "auto",
-                                                      attn_implementation="sdpa").eval()
-            return hf, tokenizer or AutoTokenizer.from_pretrained(str(model))
-        if tokenizer is None:
-            raise ValueError("tokenizer is required when model is a model object")
-        return (model.to(torch_dtype) if torch_dtype is not None else model), tokenizer
+    def set_tokenizer(self, tokenizer) -> None:
+        """Encode and decode with ``tokenizer`` from now on (requests already running keep the old one)."""
+        self.tokenizer = tokenizer
+        if self._engine_loop is not None:
+            self._engine_loop.tokenizer = tokenizer
 
     # --- generation -------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-                 reuse_prefix: bool = False):
-        """``prompts``: a string, a token id list, or a list of either. Returns one ``RequestOutput``
-        per prompt (a single one for a single prompt). Every request is validated before any runs.
-        ``reuse_prefix``: load each prompt's KV from the ``prefix_store`` when it is there (skipping its
+                 use_tqdm: Any = None, lora_request: Any = None, reuse_prefix: bool = False) -> list[RequestOutput]:
+        """``prompts``: one prompt (a string, a token id list, ``{"prompt": text}`` or
+        ``{"prompt_token_ids": ids}``) or a list of them. ``sampling_params``: one for all or one per prompt
+        (None: ``SamplingParams()``). Returns a list with one ``RequestOutput`` per prompt, always (a single
+        prompt gives a list of one). Every request is validated before any runs. ``use_tqdm``: a progress bar
+        over the requests (None: when stderr is a terminal; or a tqdm-like factory). ``lora_request``: only
+        None. ``reuse_prefix``: load each prompt's KV from the ``prefix_store`` when it is there (skipping its
         prefill; ``RequestOutput.metrics["prefix_reused"]``), else prefill and persist it."""
-        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                              and all(isinstance(t, int) for t in prompts))
-        batch = [prompts] if single else list(prompts)
-        if not batch:
-            raise ValueError("prompts must be a non-empty string, token id list, or list of them")
-        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(batch)
-        if len(params) != len(batch):
-            raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({len(batch)}), "
-                             f"got {len(params)}")
-        requests = [self._request(p, sp if sp is not None else SamplingParams(), index=i, reuse_prefix=reuse_prefix)
+        if lora_request is not None:
+            raise ValueError(f"not supported by this engine: lora_request={lora_request!r}")
+        batch = _prompt_list(prompts)
+        params = self._params_list(sampling_params, len(batch))
+        requests = [self._request(p, sp, index=i, reuse_prefix=reuse_prefix)
                     for i, (p, sp) in enumerate(zip(batch, params))]
-        handles = [self._loop().submit(*r) for r in requests]
+        return self._run_batch(requests, use_tqdm, "Processed prompts")
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             use_tqdm: Any = None, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             lora_request: Any = None) -> list[RequestOutput]:
+        """Generate the next message of one conversation (a list of ``{"role", "content"}`` dicts) or of each of
+        a list of conversations: each is rendered with the tokenizer's chat template (or ``chat_template``;
+        ``add_generation_prompt`` / ``continue_final_message`` / ``chat_template_kwargs`` as in
+        ``apply_chat_template``), encoded without added special tokens (the template writes them) and generated
+        as ``generate`` does (``RequestOutput.prompt`` is the rendered text). Returns a list, one
+        ``RequestOutput`` per conversation."""
+        if lora_request is not None:
+            raise ValueError(f"not supported by this engine: lora_request={lora_request!r}")
+        if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, Mapping) for m in messages):
+            conversations = [messages]
+        elif isinstance(messages, (list, tuple)) and messages and all(isinstance(c, (list, tuple)) for c in messages):
+            conversations = list(messages)
+        else:
+            raise TypeError("messages must be a conversation (a non-empty list of {'role', 'content'} dicts) or a "
+                            "list of conversations")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False")
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError("the tokenizer has no chat template: pass chat_template= (a Jinja template)")
+        prompts = []
+        for i, conv in enumerate(conversations):
+            where = "messages" if len(conversations) == 1 else f"messages[{i}]"
+            if not conv or not all(isinstance(m, Mapping) for m in conv):
+                raise TypeError(f"{where} must be a non-empty list of {{'role', 'content'}} dicts")
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    [dict(m) for m in conv], chat_template=template, tokenize=False,
+                    add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                    **(chat_template_kwargs or {}))
+            except Exception as exc:      # noqa: BLE001 - jinja's TemplateError and the template's own refusals
+                raise ValueError(f"{where}: the chat template refused it: {exc}") from None
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        params = self._params_list(sampling_params, len(prompts))
+        requests = [self._request(p, sp, index=i) for i, (p, sp) in enumerate(zip(prompts, params))]
+        return self._run_batch(requests, use_tqdm, "Processed chats")
+
+    def generate_async(self, prompt, sampling_params: SamplingParams | None = None, *, streaming: bool = True,
+                       reuse_prefix: bool = False) -> "RequestHandle":
+        """Submit one prompt (any form ``generate`` takes; validated now) and return at once: a
+        ``RequestHandle`` (``result()`` / ``await aresult()``: the final ``RequestOutput``; iteration: a snapshot
+        after every generated token with ``streaming`` (TensorRT-LLM's argument; default True here), only the
+        final one without; ``abort()``). ``reuse_prefix``: as ``generate``."""
+        if not isinstance(streaming, bool):
+            raise TypeError(f"streaming must be a bool, got {streaming!r}")
+        if isinstance(prompt, (list, tuple)) and not _is_token_ids(prompt):
+            raise TypeError("generate_async takes one prompt (a string, a token id list or a prompt dict), not a list")
+        handle = self._loop().submit(self._request(prompt, sampling_params or SamplingParams(),
+                                                   reuse_prefix=reuse_prefix))
+        handle.streaming = streaming
+        return handle
+
+    def _params_list(self, sampling_params, n: int) -> list:
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * n)
+        if len(params) != n:
+            raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({n}), got {len(params)}")
+        return [sp if sp is not None else SamplingParams() for sp in params]
+
+    def _run_batch(self, requests: list, use_tqdm, desc: str) -> list[RequestOutput]:
+        bar = _progress(use_tqdm, len(requests), desc)
+        handles = []
         try:
-            outputs = [h.result() for h in handles]
+            handles = [self._loop().submit(r) for r in requests]
+            outputs = []
+            for h in handles:
+                outputs.append(h.result())
+                if bar is not None:
+                    bar.update(1)
+            return outputs
         finally:   # an interrupted wait leaves no request of this call behind
             for h in handles:
                 h.abort()
-        return outputs[0] if single else outputs
-
-    def generate_async(self, prompt, sampling_params: SamplingParams | None = None, *,
-                       reuse_prefix: bool = False) -> "RequestHandle":
-        """Submit one prompt (validated now) and return at once; see ``RequestHandle`` (``reuse_prefix``:
-        as ``generate``)."""
-        return self._loop().submit(*self._request(prompt, sampling_params or SamplingParams(),
-                                                  reuse_prefix=reuse_prefix))
+            if bar is not None:
+                bar.close()
 
     def shutdown(self) -> None:
         """Stop the engine loop; requests still running are aborted (their handles end with
@@ -279,61 +557,132 @@ class LLM:
             self._engine_loop = _EngineLoop(self)
         return self._engine_loop
 
+    def _prompt_ids(self, prompt, sp: SamplingParams, where: str) -> tuple[str | None, list[int]]:
+        """``(prompt text or None, token ids)`` of one prompt (``generate``'s forms)."""
+        if isinstance(prompt, Mapping):
+            unknown = [k for k in prompt if k not in _PROMPT_KEYS]
+            if unknown:
+                raise ValueError(f"{where}: not supported by this engine: {unknown[0]!r} (a prompt dict takes "
+                                 f"{list(_PROMPT_KEYS)})")
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"{where}['prompt'] must be a string, got {type(text).__name__}")
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+                    raise TypeError(f"{where}['prompt_token_ids'] must be a list of ints")
+                return text, list(ids)
+            if text is None:
+                raise ValueError(f"{where} must have 'prompt' (text) or 'prompt_token_ids'")
+            prompt = text
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"{where} is empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=sp.add_special_tokens)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise TypeError(f"{where} must be a string, a token id list or a prompt dict, got {type(prompt).__name__}")
+
     def _request(self, prompt, sp: SamplingParams, *, index: int | None = None, reuse_prefix: bool = False):
-        """Validate one request (errors name ``prompts[index]`` / ``sampling_params[index]``, or
-        ``prompt`` / ``sampling_params`` for a single one) and build its sequence and output."""
+        """Validate one request (errors name ``prompts[index]`` / ``sampling_params[index]``, or ``prompt`` /
+        ``sampling_params`` for a single one) and build it (``_Request``)."""
         where, sp_where = (("prompt", "sampling_params") if index is None
                            else (f"prompts[{index}]", f"sampling_params[{index}]"))
         if not isinstance(sp, SamplingParams):
             raise TypeError(f"{sp_where} must be a macattn SamplingParams, got {type(sp).__name__}")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"{where} is empty")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=sp.add_special_tokens)
-        else:
-            ids = prompt
+        text, ids = self._prompt_ids(prompt, sp, where)
+        if sp.truncate_prompt_tokens is not None:
+            ids = ids[-sp.truncate_prompt_tokens:]
+        vocab = self.engine.vocab_size
+        for name in ("logprobs",):
+            k = getattr(sp, name)
+            if k is not None and k > vocab:
+                raise ValueError(f"{sp_where}: {name} must be an int in [0, vocab_size={vocab}], got {k}")
+        bad = [t for t in sp.bad_token_ids or () if t >= vocab]
+        if bad:
+            raise ValueError(f"{sp_where}: bad_token_ids must lie in [0, {vocab - 1}], got {bad}")
+        max_new = sp.max_tokens
+        if max_new is None:
+            max_new = self.engine.config.max_seq_len - len(ids)
+            if max_new < 1:
+                raise ValueError(f"{where}: {len(ids)} prompt tokens leave no room to generate "
+                                 f"(max_seq_len={self.engine.config.max_seq_len})")
+        seed = None
+        if sp.seed is None and self._seeds is not None:
+            with self._seeds_lock:
+                seed = self._seeds.randint(0, MAX_SEED)
         try:
-            seq = self.engine.make_request(ids, sp.engine_params(self.tokenizer.eos_token_id), reuse_prefix=reuse_prefix)
-        except (ValueError, TypeError) as exc:
+            esp = sp.engine_params(self.tokenizer.eos_token_id, max_new_tokens=max_new, seed=seed)
+            seq = self.engine.make_request(ids, esp, reuse_prefix=reuse_prefix, **({"n": sp.n} if sp.n > 1 else {}))
+        except (ValueError, TypeError, NotImplementedError) as exc:
             raise type(exc)(f"{where}: {exc}") from None
-        out = RequestOutput(seq.request_id, prompt if isinstance(prompt, str) else None, list(seq.prompt),
-                            [CompletionOutput(0, logprobs=[] if sp.logprobs is not None else None,
-                                              cumulative_logprob=0.0 if sp.logprobs is not None else None)])
-        return seq, sp, out
+        ids_all = [seq.request_id] + [f.request_id for f in seq.forks]
+        lp = sp.logprobs is not None
+        out = RequestOutput(seq.request_id, text, list(seq.prompt),
+                            [CompletionOutput(i, logprobs=[] if lp else None, cumulative_logprob=0.0 if lp else None)
+                             for i in range(sp.n)])
+        return _Request(seq, sp, out, ids_all)
 
 
-def _record(tokenizer, step, sp: SamplingParams, out: RequestOutput, times: list) -> str | None:
-    """Fold one ``StepOutput`` into ``out``: token, logprobs / logits, text, stop conditions. Returns the
-    finish reason when the request ends here (the caller then frees it and sets ``out``'s metrics)."""
-    comp = out.outputs[0]
+class _Request:
+    """One submitted prompt in the engine loop: its first sequence (``seq``; the others are its forks), the
+    request ids of all ``n`` (index order), the ``RequestOutput`` being built and per-sequence state."""
+
+    def __init__(self, seq, sp: SamplingParams, out: RequestOutput, ids: list[int]) -> None:
+        self.seq, self.sp, self.out, self.ids = seq, sp, out, ids
+        self.index = {rid: i for i, rid in enumerate(ids)}
+        self.checked = [0] * len(ids)         # text offsets searched for stop strings, per sequence
+        self.times: list[float] = []
+        self.start = time.perf_counter()
+        self.handle: RequestHandle | None = None
+
+    @property
+    def request_id(self) -> int:
+        return self.seq.request_id
+
+
+_REASONS = {"end_id": "stop", "stop_token_id": "stop", "length": "length", "aborted": "abort"}
+
+
+def _record(tokenizer, step, req: _Request) -> str | None:
+    """Fold one ``StepOutput`` into its sequence's ``CompletionOutput``: token, logprobs / logits, text, stop
+    strings. Returns the finish reason when that sequence ends here (the caller then frees it)."""
+    sp, out = req.sp, req.out
+    i = req.index[step.request_id]
+    comp = out.outputs[i]
+    if out.prompt_logprobs is None and getattr(step, "prompt_logprobs", None) is not None:
+        out.prompt_logprobs = list(step.prompt_logprobs)
     if step.token is not None:
-        times.append(time.perf_counter())
+        req.times.append(time.perf_counter())
         comp.token_ids.append(step.token)
         if sp.logprobs is not None or sp.return_generation_logits:
             _logits(step, sp, comp)
-    reason, stop = ("stop", None) if step.finish_reason == "end_id" else (step.finish_reason, None)
-    if step.token is not None and sp.stop_token_ids and step.token in sp.stop_token_ids:
-        reason, stop = "stop", step.token
-    text = tokenizer.decode(comp.token_ids, skip_special_tokens=sp.skip_special_tokens) \
-        if sp.detokenize else ""
-    for s in sp.stop_strings:
-        at = text.find(s)
-        if at >= 0:
-            text, reason, stop = text[:at + (len(s) if sp.include_stop_str_in_output else 0)], "stop", s
-            break
+    reason = _REASONS.get(step.finish_reason, step.finish_reason)
+    stop = step.token if step.finish_reason == "stop_token_id" else None
+    text = tokenizer.decode(comp.token_ids, skip_special_tokens=sp.skip_special_tokens) if sp.detokenize else ""
+    if sp.stop_strings and len(comp.token_ids) >= sp.min_tokens:
+        # search the text this token added, the stop string's overlap with the text before and 3 characters
+        # more (a character split over tokens decodes as up to 3 replacement characters until it completes)
+        for s in sp.stop_strings:
+            at = text.find(s, max(0, req.checked[i] - len(s) - 3))
+            if at >= 0:
+                text, reason, stop = text[:at + (len(s) if sp.include_stop_str_in_output else 0)], "stop", s
+                break
+    req.checked[i] = len(text)
     comp.text = text
     if reason is not None:
-        comp.finish_reason, comp.stop_reason, out.finished = reason, stop, True
+        comp.finish_reason, comp.stop_reason = reason, stop
     return reason
 
 
-def _finish_metrics(seq, out: RequestOutput, times: list, start: float) -> None:
-    """``out.metrics`` of a finished request (latencies and the method's figures of ``seq``)."""
+def _finish_metrics(req: _Request) -> None:
+    """``out.metrics`` of a finished request (latencies and the method's figures of its first sequence)."""
+    times, out = req.times, req.out
     gaps = [b - a for a, b in zip(times, times[1:])]
-    out.metrics = {"ttft_s": times[0] - start if times else None,
+    out.metrics = {"ttft_s": times[0] - req.start if times else None,
                    "inter_token_latency_s": sum(gaps) / len(gaps) if gaps else None,
-                   "e2e_s": time.perf_counter() - start, "num_generated_tokens": len(out.outputs[0].token_ids),
-                   **seq.metrics}
+                   "e2e_s": time.perf_counter() - req.start,
+                   "num_generated_tokens": sum(len(c.token_ids) for c in out.outputs), **req.seq.metrics}
 
 
 def _logits(step, sp: SamplingParams, comp: CompletionOutput) -> None:
@@ -359,12 +708,14 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
 
 
 class RequestHandle:
-    """One submitted request: ``result(timeout)`` blocks for the final ``RequestOutput``; iterating
-    (``for`` or ``async for``) yields a snapshot after every generated token, the last one finished;
-    ``abort()`` ends it now and frees its slot (a client that went away). ``request_id`` is the engine's."""
+    """One submitted request: ``result(timeout)`` blocks for the final ``RequestOutput`` (``await aresult()``
+    from a coroutine); iterating (``for`` or ``async for``) yields a snapshot after every generated token, the
+    last one finished (with ``streaming=False``: the final one only); ``abort()`` ends it now and frees its
+    slots (a client that went away). ``request_id`` is the engine's (of its first sequence)."""
 
     def __init__(self, loop: "_EngineLoop", request_id: int) -> None:
         self._loop, self.request_id = loop, request_id
+        self.streaming = True
         self._updates: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._waker: tuple | None = None          # (event loop, asyncio.Event) of an ``async for``
@@ -395,17 +746,33 @@ class RequestHandle:
             return None
         return self._take(self._updates.get(timeout=timeout))
 
+    @property
+    def finished(self) -> bool:
+        return self._final is not None
+
     def result(self, timeout: float | None = None) -> RequestOutput:
         while self._final is None:
             if self._next(timeout) is None:
                 break
         return self._final
 
+    async def aresult(self) -> RequestOutput:
+        """``result()`` for a coroutine (TensorRT-LLM's name): waits without holding a thread."""
+        async for _ in self._stream():
+            pass
+        return self._final
+
     def __iter__(self):
         while (item := self._next()) is not None:
-            yield item
+            if self.streaming or item.finished:
+                yield item
 
     async def __aiter__(self):
+        async for item in self._stream():
+            if self.streaming or item.finished:
+                yield item
+
+    async def _stream(self):
         # woken from the engine thread through the event loop: no worker thread is held per stream
         # (``asyncio.to_thread`` per token would queue streams behind the executor's few threads)
         wake = asyncio.Event()
@@ -435,14 +802,15 @@ class _EngineLoop:
     """Two threads serve every handle (module doc). The engine thread steps the engine back to back
     (it is touched only under ``cv``'s lock) and hands each step's raw ``StepOutput``s to the output
     thread, which detokenizes, checks stop strings, builds the snapshots and streams them while the
-    engine runs the next step (the host work of step n overlaps the GPU's step n + 1). A request that a
+    engine runs the next step (the host work of step n overlaps the GPU's step n + 1). A sequence that a
     stop string ends is freed through the engine lock right after; a step the engine ran for it
-    meanwhile is dropped. A failing step fails every request in flight with its exception."""
+    meanwhile is dropped. A request of ``n`` sequences finishes when all have. A failing step fails every
+    request in flight with its exception."""
 
     def __init__(self, llm: LLM) -> None:
         self.engine, self.tokenizer = llm.engine, llm.tokenizer     # not the LLM: it may be collected
         self.cv = threading.Condition()
-        self.live: dict[int, tuple] = {}          # request_id -> (handle, seq, sp, out, token times, start)
+        self.live: dict[int, _Request] = {}       # request id (of every sequence) -> its request
         self.live_lock = threading.Lock()         # ``live`` is read by both threads
         self.stopped = False
         self._waiters = 0                         # callers waiting for ``cv`` (the loop then steps aside)
@@ -466,31 +834,42 @@ class _EngineLoop:
             with self._waiters_lock:
                 self._waiters -= 1
 
-    def submit(self, seq, sp: SamplingParams, out: RequestOutput) -> RequestHandle:
-        handle = RequestHandle(self, seq.request_id)
+    def submit(self, req: _Request) -> RequestHandle:
+        handle = req.handle = RequestHandle(self, req.request_id)
         with self._turn():
             if self.stopped:
                 raise RuntimeError("the LLM was shut down")
+            req.start = time.perf_counter()
             with self.live_lock:
-                self.live[seq.request_id] = (handle, seq, sp, out, [], time.perf_counter())
-            self.engine.submit(seq)
+                for rid in req.ids:
+                    self.live[rid] = req
+            self.engine.submit(req.seq)
             self.cv.notify()
         return handle
 
-    def _release(self, request_id: int) -> None:
-        """Free a request's engine resources (no-op if it already finished)."""
+    def _release(self, request_ids) -> None:
+        """Free sequences' engine resources (no-op for those already finished)."""
         with self._turn():
-            self.engine.abort(request_id)
-            self.engine.requests.pop(request_id, None)
+            for rid in request_ids:
+                self.engine.abort(rid)
+                self.engine.requests.pop(rid, None)
 
     def abort(self, request_id: int) -> None:
         with self.live_lock:
-            entry = self.live.pop(request_id, None)
-        self._release(request_id)
-        if entry is not None and not entry[3].finished:
-            entry[3].outputs[0].finish_reason = "abort"
-            entry[3].finished = True
-            entry[0]._push(_snapshot(entry[3]))
+            req = self.live.get(request_id)
+            if req is not None:
+                for rid in req.ids:
+                    self.live.pop(rid, None)
+        if req is None:
+            self._release([request_id])
+            return
+        self._release(req.ids)
+        if not req.out.finished:
+            for comp in req.out.outputs:
+                if comp.finish_reason is None:
+                    comp.finish_reason = "abort"
+            req.out.finished = True
+            req.handle._push(_snapshot(req.out))
 
     def stop(self) -> None:
         with self._turn():
@@ -518,10 +897,11 @@ class _EngineLoop:
                 except BaseException as exc:     # noqa: BLE001 - handed to every waiter
                     with self.live_lock:
                         failed, self.live = self.live, {}
-                    for rid, (handle, *_rest) in failed.items():
+                    for rid in failed:
                         self.engine.abort(rid)
                         self.engine.requests.pop(rid, None)
-                        handle._push(exc)
+                    for req in {id(r): r for r in failed.values()}.values():
+                        req.handle._push(exc)
             while self._waiters and not self.stopped:      # let waiting callers take the lock first
                 time.sleep(0.0005)
 
@@ -529,15 +909,19 @@ class _EngineLoop:
         while (steps := self._outputs.get()) is not None:
             for step in steps:
                 with self.live_lock:
-                    entry = self.live.get(step.request_id)
-                if entry is None:
+                    req = self.live.get(step.request_id)
+                if req is None or req.out.outputs[req.index[step.request_id]].finished:
                     continue
-                handle, seq, sp, out, times, start = entry
-                if _record(self.tokenizer, step, sp, out, times) is None:
-                    handle._push(_snapshot(out))
+                if _record(self.tokenizer, step, req) is None:
+                    req.handle._push(_snapshot(req.out))
+                    continue
+                self._release([step.request_id])     # frees the slot now (the method's figures are final)
+                if not all(c.finished for c in req.out.outputs):
+                    req.handle._push(_snapshot(req.out))
                     continue
                 with self.live_lock:
-                    self.live.pop(step.request_id, None)
-                self._release(step.request_id)       # frees the slot now (the method's figures are final)
-                _finish_metrics(seq, out, times, start)
-                handle._push(_snapshot(out))
+                    for rid in req.ids:
+                        self.live.pop(rid, None)
+                req.out.finished = True
+                _finish_metrics(req)
+                req.handle._push(_snapshot(req.out))

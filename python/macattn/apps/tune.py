@@ -4,7 +4,7 @@ under an error budget or an agreement target.
 Calibration prompts are RULER-style samples (``macattn.evaluation.tasks``) decoded greedily with
 full attention. Every candidate ``(tau, K, r)`` of the grid (the global default included) runs on
 all layers at once, teacher-forced on the full tokens, recording per layer the mean
-attention-output relative error ``||o_mac - o_full|| / ||o_full||`` and the KV skip (SPEC §1.5).
+attention-output relative error ``||o_mac - o_full|| / ||o_full||`` and the KV skip (docs/spec.md §1.5).
 Each layer takes the candidate with the largest skip whose error is within its budget: a fixed
 ``error_budget``, or (``error_budget=None``, the default) the global default's own per-layer
 error, so the tuned config never trades error for skip against the default. Inputs of later

@@ -1,4 +1,4 @@
-"""ONNX lowering of retrieval-completion (SPEC §3): two ``macattn``-domain nodes.
+"""ONNX lowering of retrieval-completion (docs/spec.md §3): two ``macattn``-domain nodes.
 
 * ``macattn::RetrievalCompletion`` (opset ``macattn`` v1) <- ``torch.ops.macattn.retrieval_completion``
   (one decode step; becomes the TensorRT plugin ``mac::retrieval_completion``);

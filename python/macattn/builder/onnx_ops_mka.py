@@ -1,4 +1,4 @@
-"""ONNX lowering of ``macattn::route_fused_attention`` (FastMKA decode step, SPEC §2).
+"""ONNX lowering of ``macattn::route_fused_attention`` (FastMKA decode step, docs/spec.md §2).
 
 * ``macattn::RouteFusedAttention`` (opset ``macattn`` v1) <- ``torch.ops.macattn.route_fused_attention_functional``,
   the functional twin of the in-place op (export only: it returns the updated L2 state as outputs

@@ -4,14 +4,16 @@ Two halves:
 
 * Pure functions, tested without TensorRT-LLM: :func:`mac_network_io` (per MAC layer the ring
   inputs/outputs, dtypes, shapes and dimension ranges; the per-step inputs shared by all
-  layers), :func:`dim_range` (that spec as TRT-LLM's ``Tensor(dim_range=...)`` argument) and
-  :func:`rope_tables` (the rotary table the graph uses to rotate the pre-RoPE query).
+  layers), :func:`dim_range` (that spec as TRT-LLM's ``Tensor(dim_range=...)`` argument),
+  :func:`rope_tables` (the rotary table the graph uses to rotate the pre-RoPE query) and
+  :func:`plugin_fields` / :func:`layer_plugin_fields` (the plugins' attributes per layer, which
+  ``trtllm_build`` re-exports).
 * :func:`make_mac_attention`, which defines the subclass of ``tensorrt_llm.layers.Attention``
   whose ``forward`` inserts ``mac::match`` / ``mac::attend``. Written against TRT-LLM sources
   (see ``docs/tensorrt.md`` "TensorRT-LLM" for the files and commits read) and **never built or
   run**: TensorRT-LLM cannot be installed in this workplace.
 
-What the patched network computes, per MAC-enabled layer (SPEC §1, ``docs/graph.md``):
+What the patched network computes, per MAC-enabled layer (docs/spec.md §1, ``docs/graph.md``):
 TRT-LLM's own ``gpt_attention`` plugin runs first, for every token, unchanged (context phase,
 KV-cache write of the new token, RoPE). Then, for the ``G`` generation tokens listed in the
 step input ``mac_rows``, the layer takes the pre-RoPE query from the fused ``qkv`` (the first
@@ -49,10 +51,12 @@ import numpy as np
 import torch
 
 from macattn.methods.mac.config import MacConfig
-from macattn.plugins.trt_compat import split_id
+from macattn.plugins.trt_compat import python_id, split_id
 
 __all__ = ["create_plugin", "global_layer_index", "RING_NAMES", "STEP_INPUTS", "IOTensor", "RingIO", "MacNetworkIO", "mac_network_io", "dim_range",
-           "rope_tables", "make_mac_attention"]
+           "rope_tables", "make_mac_attention", "MATCH_ID", "ATTEND_ID", "plugin_fields", "layer_plugin_fields"]
+
+MATCH_ID, ATTEND_ID = python_id("match"), python_id("attend")
 
 RING_NAMES = ("qring", "oring", "ring_lse", "ring_pos")
 # Per-step inputs shared by every MAC layer: (name, dtype). G = generation tokens this step.
@@ -198,6 +202,34 @@ def rope_tables(head_dim: int, max_positions: int, base: float, scale: float = 1
             np.concatenate([-sin, sin], axis=1).astype(np.float32))
 
 
+def plugin_fields(cfg, head_dim: int) -> dict[str, dict[str, float | int]]:
+    """Plugin attributes for one layer: ``{"mac_py::match": {band, tau}, "mac_py::attend": {band, scale}}``.
+
+    Names match ``plugins/mac/match_plugin.py`` and ``plugins/mac/attend_plugin.py``; ``scale`` is
+    the softmax scale ``1/sqrt(head_dim)``. ``window`` is not an attribute: it is the ring's
+    ``K`` dimension.
+    """
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+        raise ValueError(f"head_dim must be an int >= 1, got {head_dim!r}")
+    if cfg.match_scale:
+        raise ValueError("match_scale (the calibrated threshold) is not in the TensorRT-LLM attention swap, whose "
+                         "graph feeds the plugin the raw pre-RoPE query; accepted: match_scale=() (the paper's rule)")
+    # field order = the plugins' registration order: upstream's AOT plugin passes attributes positionally
+    return {MATCH_ID: {"band": int(cfg.band), "tau": float(cfg.tau)},
+            ATTEND_ID: {"band": int(cfg.band), "scale": float(head_dim) ** -0.5}}
+
+
+def layer_plugin_fields(cfg: MacConfig, num_layers: int, head_dim: int) -> list[dict | None]:
+    """Per-layer :func:`plugin_fields`; ``None`` where the layer has MAC disabled (plain attention)."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+    out = []
+    for layer in range(num_layers):
+        p = cfg.for_layer(layer)
+        out.append(plugin_fields(p, head_dim) if p.enabled else None)
+    return out
+
+
 def create_plugin(trt, creator, plugin_id: str, fields: dict, *, aot: bool = True):
     """A BUILD-phase plugin of ``plugin_id`` from ``creator`` with ``fields`` (int -> INT32, float -> FLOAT32).
 
@@ -243,8 +275,6 @@ def make_mac_attention(base, cfg: MacConfig, creators: dict, *, max_batch: int, 
     from tensorrt_llm._common import default_net, default_trtnet
     from tensorrt_llm.layers import attention as attention_mod
 
-    from macattn.builder.trtllm_build import plugin_fields
-
     to_trt = {torch.float32: trt.float32, torch.float16: trt.float16, torch.bfloat16: trt.bfloat16,
               torch.int32: trt.int32, torch.int64: trt.int64}
     from_trt = {v: k for k, v in to_trt.items()}
@@ -279,7 +309,6 @@ def make_mac_attention(base, cfg: MacConfig, creators: dict, *, max_batch: int, 
 
     class MacAttention(base):
         mac_config = cfg
-        mac_creators = creators
         _built_layers = [0]   # fallback layer counter for Attention versions without a layer index
 
         def __init__(self, *args, **kwargs):

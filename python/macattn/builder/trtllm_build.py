@@ -28,13 +28,13 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from macattn.builder.trtllm_attention import ATTEND_ID, MATCH_ID, layer_plugin_fields, make_mac_attention, plugin_fields
 from macattn.methods.mac.config import MacConfig
 from macattn.methods.mac.flags import MAC_FLAGS, add_mac_flags, mac_config_from_args
-from macattn.plugins.trt_compat import (PLUGIN_VERSION, TensorRTVersionError, parse_version, python_id,
-                                        split_id)
+from macattn.plugins.trt_compat import PLUGIN_VERSION, TensorRTVersionError, parse_version, split_id
 
-__all__ = ["PLUGINS", "ARCH_TO_TRTLLM", "split_args", "plugin_fields", "layer_plugin_fields", "patch_targets",
-           "install_patch", "build_parser", "main"]
+__all__ = ["PLUGINS", "ARCH_TO_TRTLLM", "MATCH_ID", "ATTEND_ID", "split_args", "plugin_fields", "layer_plugin_fields",
+           "patch_targets", "install_patch", "build_parser", "main"]
 
 PLUGINS = ("mac",)
 # HF architecture string -> (TRT-LLM module, model class, decoder-layer class). Mistral uses the
@@ -45,7 +45,6 @@ ARCH_TO_TRTLLM = {
     "Qwen2ForCausalLM": ("tensorrt_llm.models.qwen.model", "QWenForCausalLM", "QWenDecoderLayer"),
 }
 _OURS = ("--plugin", *MAC_FLAGS)
-MATCH_ID, ATTEND_ID = python_id("match"), python_id("attend")
 # the first TensorRT-LLM release line without the TensorRT engine backend (main deleted it in July 2026)
 TRTLLM_ENGINE_BACKEND_BEFORE = (1, 3)
 _INSTALL_HINT = ("macattn-trtllm-build needs the `tensorrt_llm` package (TensorRT-LLM): "
@@ -98,34 +97,6 @@ def mac_config(args: argparse.Namespace) -> MacConfig:
     return mac_config_from_args(args)
 
 
-def plugin_fields(cfg, head_dim: int) -> dict[str, dict[str, float | int]]:
-    """Plugin attributes for one layer: ``{"mac_py::match": {band, tau}, "mac_py::attend": {band, scale}}``.
-
-    Names match ``plugins/mac_match/plugin.py`` and ``plugins/mac_attend/plugin.py``; ``scale`` is
-    the softmax scale ``1/sqrt(head_dim)``. ``window`` is not an attribute: it is the ring's
-    ``K`` dimension.
-    """
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
-        raise ValueError(f"head_dim must be an int >= 1, got {head_dim!r}")
-    if cfg.match_scale:
-        raise ValueError("match_scale (the calibrated threshold) is not in the TensorRT-LLM attention swap, whose "
-                         "graph feeds the plugin the raw pre-RoPE query; accepted: match_scale=() (the paper's rule)")
-    # field order = the plugins' registration order: upstream's AOT plugin passes attributes positionally
-    return {MATCH_ID: {"band": int(cfg.band), "tau": float(cfg.tau)},
-            ATTEND_ID: {"band": int(cfg.band), "scale": float(head_dim) ** -0.5}}
-
-
-def layer_plugin_fields(cfg: MacConfig, num_layers: int, head_dim: int) -> list[dict | None]:
-    """Per-layer :func:`plugin_fields`; ``None`` where the layer has MAC disabled (plain attention)."""
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
-    out = []
-    for layer in range(num_layers):
-        p = cfg.for_layer(layer)
-        out.append(plugin_fields(p, head_dim) if p.enabled else None)
-    return out
-
-
 def patch_targets(architectures: Sequence[str] | None = None) -> dict[str, tuple[str, str, str]]:
     """The TRT-LLM (module, model class, decoder class) patched for each HF architecture string."""
     if architectures is None:
@@ -154,8 +125,6 @@ def install_patch(cfg: MacConfig, max_batch: int, first_layer: int = 0) -> list[
     from tensorrt_llm.layers import Attention
 
     from macattn.plugins.tensorrt_plugins import register_all
-
-    from macattn.builder.trtllm_attention import make_mac_attention
 
     register_all()
     reg = trt.get_plugin_registry()

@@ -11,7 +11,7 @@ tensors: ``is_causal`` for a fresh segment (``start == 0``: the square causal ma
 backend takes), ``causal_lower_right`` for a chunk after earlier chunks (query ``j`` of the chunk sees
 keys ``0 .. start + j``; flash / memory-efficient kernels take it without a mask). No ``n x n`` mask
 is ever materialised. On CUDA the backends are tried in ``CUDA_BACKENDS`` order, chosen by
-measurement (``benchmarks/bench_prefill_floor.py``; ``benchmarks/NOTES.md``, "Prefill attention").
+measurement (``benchmarks/bench_prefill_floor.py``; ``benchmarks/notes/serving.md``, "Serving at the hardware floor").
 
 ``ragged_attention_reference`` is the plain-torch definition (explicit masks, fp32 / fp64) the tests
 hold the packed path against.

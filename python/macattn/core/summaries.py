@@ -1,4 +1,4 @@
-"""Attention summaries ``(o, lse)`` over index sets (SPEC §0).
+"""Attention summaries ``(o, lse)`` over index sets (docs/spec.md §0).
 
 For one query head with logits ``l_t`` over an index set ``I``::
 

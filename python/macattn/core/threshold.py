@@ -1,5 +1,5 @@
 """MAC's match rule, in one place: a ring query ``q~_p`` matches ``q~_m`` iff
-``||q~_m - q~_p|| < s sqrt(2 d) (1 - tau)`` (SPEC §1.2), ``s`` the head's pre-RoPE query scale.
+``||q~_m - q~_p|| < s sqrt(2 d) (1 - tau)`` (docs/spec.md §1.1), ``s`` the head's pre-RoPE query scale.
 
 The paper's rule is ``s = 1``: the radius under an isotropic unit-variance null (paper §3.2), where
 ``q~_m - q~_p ~ N(0, 2 I_d)`` for unrelated queries. Its appendix B.1 reads ``tau`` as a false-positive

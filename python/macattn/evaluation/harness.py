@@ -9,7 +9,7 @@ each method (``methods.py``). Metrics per method:
   input sequence (the answer, then full attention's continuation; as ``macattn generate``
   does), so every step compares identical prefixes;
 * attention-output relative error per layer (same inputs, per decode step);
-* hit rate and KV skip per layer (SPEC §1.5 skipped prefix), and the KV read in
+* hit rate and KV skip per layer (docs/spec.md §1.5 skipped prefix), and the KV read in
   token-equivalents relative to full attention (covers misses served by completion too). These
   three are for decode methods; A3 (``methods.A3Fusion``) fuses the prompt's K/V and then decodes
   with full attention, so it reports accuracy and agreement only;
@@ -28,7 +28,7 @@ import json
 import math
 import platform
 import random
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -37,31 +37,14 @@ from tqdm.auto import tqdm
 
 from macattn.methods.mac.config import MacConfig
 from macattn.models.generation import greedy_decode
-from macattn.methods.mac.completion_on_miss import MissCompletionConfig
+from macattn.methods.completion.completion_on_miss import MissCompletionConfig
 from macattn.evaluation import tasks as T
 from macattn.methods.a3.config import A3Config
 from macattn.evaluation.methods import A3Fusion, EvalMethod, Mac, Prefill, RetrievalCompletion
+from macattn.evaluation.samples import EvalSettings, make_samples
 
 __all__ = ["EvalSettings", "PRESETS", "make_samples", "run_eval", "band_sweep", "plot", "load_eval_model",
-           "register", "byte_encoder"]
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    """lengths: prompt+answer lengths in tokens (>= 64); tasks: subset of ``tasks.TASKS``; n: samples
-    per task and length (>= 1); gen: teacher-forced decode steps for agreement and error (>= 2);
-    seed: sample seed."""
-
-    lengths: tuple = (4096,)
-    tasks: tuple = T.TASKS
-    n: int = 2
-    gen: int = 32
-    seed: int = 0
-
-    def __post_init__(self):
-        T.check_lengths_and_tasks(self.lengths, self.tasks)
-        if self.n < 1 or self.gen < 2:
-            raise ValueError(f"n must be >= 1 and gen >= 2, got n={self.n}, gen={self.gen}")
+           "register", "byte_encoder", "parse_csv"]
 
 
 PRESETS = {
@@ -77,15 +60,6 @@ def byte_encoder(vocab_size: int, offset: int = 3) -> Callable[[str], list]:
     if vocab_size <= offset:
         raise ValueError(f"vocab_size must be > {offset}, got {vocab_size}")
     return lambda s: [offset + b % (vocab_size - offset) for b in s.encode()]
-
-
-def make_samples(settings: EvalSettings, encode: Callable, haystack_ids: Sequence[int], bos: Sequence[int] = (),
-                 seed_offset: int = 0) -> list:
-    """The deterministic sample list: for each length, task and ``i < n`` one ``tasks.Sample``."""
-    rng = random.Random(settings.seed + seed_offset)
-    hay = T.haystack_from(haystack_ids)
-    return [T.make_sample(task, length, rng, encode, hay, bos=list(bos))
-            for length in settings.lengths for task in settings.tasks for _ in range(settings.n)]
 
 
 def _mean(xs) -> float:
@@ -242,7 +216,7 @@ def plot(result: dict, out_dir: str | Path, prefix: str = "eval") -> list[Path]:
             axes[1].plot(xs, e["skip_per_layer"], marker="o", label=name)
         axes[2].plot(xs, e["kv_read_fraction_per_layer"], marker="o", label=name)
         axes[3].semilogy(xs, [max(x, 1e-12) for x in e["rel_error_per_layer"]], marker="o", label=name)
-    titles = ("MAC hit rate", "KV skip (skipped prefix, SPEC §1.5)", "KV read / full (token-equivalents)",
+    titles = ("MAC hit rate", "KV skip (skipped prefix, docs/spec.md §1.5)", "KV read / full (token-equivalents)",
               "attention-output relative error")
     for ax, t in zip(axes, titles):
         ax.set_xlabel("layer")
@@ -369,8 +343,12 @@ def load_eval_model(which: str, *, seed: int = 0, haystack: str | None = None, d
     return model, encode, _pseudo_text(encode, seed=seed), bos, "haystack: KJV-word pseudo-sentences (fallback)"
 
 
-def _csv(s: str, typ):
+def parse_csv(s: str, typ) -> tuple:
+    """``"1,2,,3"`` -> ``(typ("1"), typ("2"), typ("3"))``: a comma-separated command-line value."""
     return tuple(typ(x) for x in s.split(",") if x.strip())
+
+
+_csv = parse_csv   # the name apps/tune.py imports
 
 
 def _cmd_long_gen(args) -> int:
@@ -382,10 +360,10 @@ def _cmd_long_gen(args) -> int:
     if args.long_gen_merge:
         result = merge_long_gen([json.loads(Path(f).read_text()) for f in args.long_gen_merge])
         return _write_long_gen(result, Path(args.out))
-    settings = LongGenSettings(lengths=_csv(args.lengths, int) if args.lengths else (4096,),
-                               tasks=_csv(args.tasks, str) if args.tasks else LongGenSettings.tasks,
+    settings = LongGenSettings(lengths=parse_csv(args.lengths, int) if args.lengths else (4096,),
+                               tasks=parse_csv(args.tasks, str) if args.tasks else LongGenSettings.tasks,
                                n=args.n or 1, tokens=args.long_gen_tokens, bins=args.bins, seed=args.seed)
-    taus = _csv(args.taus, float) if args.taus else (0.45,)
+    taus = parse_csv(args.taus, float) if args.taus else (0.45,)
     base = MacConfig(window=args.window, band=args.band)
     methods: list[EvalMethod] = [] if args.no_uniform else [Mac(replace(base, tau=t), gen_len=settings.tokens)
                                                              for t in taus]
@@ -430,11 +408,11 @@ def _cmd_eval(args) -> int:
         return _cmd_long_gen(args)
     preset = PRESETS[args.preset]
     st = preset["settings"]
-    settings = EvalSettings(lengths=_csv(args.lengths, int) if args.lengths else st.lengths,
-                            tasks=_csv(args.tasks, str) if args.tasks else st.tasks,
+    settings = EvalSettings(lengths=parse_csv(args.lengths, int) if args.lengths else st.lengths,
+                            tasks=parse_csv(args.tasks, str) if args.tasks else st.tasks,
                             n=args.n or st.n, gen=args.gen or st.gen, seed=args.seed)
-    taus = _csv(args.taus, float) if args.taus else preset["taus"]
-    bands = _csv(args.bands, int) if args.bands is not None else preset["bands"]
+    taus = parse_csv(args.taus, float) if args.taus else preset["taus"]
+    bands = parse_csv(args.bands, int) if args.bands is not None else preset["bands"]
     model, encode, hay, bos, hay_desc = load_eval_model(args.model, seed=args.seed, haystack=args.haystack,
                                                         device=args.device)
     comp = MissCompletionConfig(n_sink=args.n_sink, n_tail=args.n_tail, top_k=args.top_k,
@@ -455,7 +433,7 @@ def _cmd_eval(args) -> int:
     if args.per_layer:
         methods.append(Mac(MacConfig.load(args.per_layer), gen_len=settings.gen,
                            name=f"mac(per-layer {Path(args.per_layer).name})"))
-    a3_rhos = _csv(args.a3_rhos, float) if args.a3_rhos is not None else preset["a3_rhos"]
+    a3_rhos = parse_csv(args.a3_rhos, float) if args.a3_rhos is not None else preset["a3_rhos"]
     methods += [A3Fusion(A3Config(rho=r, method="a3"), chunk_tokens=args.a3_chunk, question_tokens=args.a3_question)
                 for r in a3_rhos]
     result = run_eval(model, methods, settings, encode=encode, haystack_ids=hay, bos=bos)

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from macattn.evaluation import tasks as T
 from macattn.evaluation.methods import EvalMethod, Recorder
+from macattn.evaluation.samples import EvalSettings, make_samples
 
 __all__ = ["LongGenSettings", "long_generate", "run_long_gen", "summarise", "merge_long_gen", "plot_long_gen"]
 
@@ -102,8 +103,6 @@ def _bins(series: list, start: int, stop: int, bins: int) -> list:
 def run_long_gen(model, methods: Sequence[EvalMethod], settings: LongGenSettings, *, encode: Callable,
                  haystack_ids: Sequence[int], bos: Sequence[int] = (), progress: bool = True) -> dict:
     """Long continuous generation of full attention and each of ``methods`` (module doc); JSON-able dict."""
-    from macattn.evaluation.harness import EvalSettings, make_samples
-
     names = [m.name for m in methods]
     if len(set(names)) != len(names) or "full" in names:
         raise ValueError(f"method names must be distinct and not 'full', got {names}")

@@ -5,15 +5,16 @@ A method is an ``EvalMethod``: ``attach(model)`` is a context manager that patch
 ring seeding) and yields a ``Recorder`` (``None`` for the unpatched full-attention baseline).
 While attached, every decode step of every layer goes through ``method.decode`` under the
 attention name ``"macattn_eval"``; the recorder then keeps, per layer, the attention-output
-relative error against full attention on the same inputs, hits, the SPEC §1.5 skipped
+relative error against full attention on the same inputs, hits, the docs/spec.md §1.5 skipped
 prefix, and the KV read in token-equivalents. Adding a method is a subclass with ``name``,
 ``decode`` and (optionally) ``prefill``:
 
-* ``FullAttention`` — the baseline (no patch);
+* ``FullBaseline`` — the baseline (no patch);
 * ``Mac`` — MAC (``macattn.methods.mac.reference.mac_decode_step_reference``), any ``MacConfig`` including
-  per-layer overrides and ``miss_policy="completion"`` (``macattn.methods.mac.completion_on_miss``);
-* ``RetrievalCompletion`` — SPEC §3 on every step (``macattn.methods.completion.reference.hybrid_decode_step``);
-* ``A3Fusion`` — SPEC §4: the prompt cut into ``[system, chunks, question]``, each chunk's K/V
+  per-layer overrides and ``miss_policy="completion"``
+  (``macattn.methods.completion.completion_on_miss``);
+* ``RetrievalCompletion`` — docs/spec.md §3 on every step (``macattn.methods.completion.reference.hybrid_decode_step``);
+* ``A3Fusion`` — docs/spec.md §4: the prompt cut into ``[system, chunks, question]``, each chunk's K/V
   computed alone (as a chunk store holds it), fused prefill, then full-attention decode. It changes
   the prompt's K/V, not the decode, so it overrides ``run`` and records no per-layer statistics.
 """
@@ -34,9 +35,9 @@ from macattn.methods.mac.backend import MacAttention
 from macattn.methods.mac.reference import mac_decode_step_reference
 from macattn.models.attention import bind, binding_of, unbind
 from macattn.methods.completion.feature_maps import CompletionFeatureMaps
-from macattn.methods.mac.completion_on_miss import CompletionOnMiss, MissCompletionConfig, random_feature_maps
+from macattn.methods.completion.completion_on_miss import CompletionOnMiss, MissCompletionConfig, random_feature_maps
 
-__all__ = ["Recorder", "Prefill", "EvalMethod", "FullAttention", "Mac", "RetrievalCompletion", "A3Fusion"]
+__all__ = ["Recorder", "Prefill", "EvalMethod", "FullBaseline", "Mac", "RetrievalCompletion", "A3Fusion"]
 
 @dataclass
 class Recorder:
@@ -230,7 +231,7 @@ class EvalMethod:
             unbind(model)
 
 
-class FullAttention(EvalMethod):
+class FullBaseline(EvalMethod):
     """The baseline: the model's own attention, unpatched (``attach`` yields ``None``)."""
 
     name = "full"
@@ -293,7 +294,7 @@ class Mac(EvalMethod):
 
 
 class RetrievalCompletion(EvalMethod):
-    """SPEC §3 on every decode step: sink + tail + Top-k(mid) + generated exact, the rest of the
+    """docs/spec.md §3 on every decode step: sink + tail + Top-k(mid) + generated exact, the rest of the
     prefill's mid region completed through ``maps`` (default: untrained random features);
     ``completion=False`` gives the selection-only baseline; ``selector`` picks the Top-k (None: the
     exhaustive one; e.g. ``PageSummaryTopK``, the page selector)."""

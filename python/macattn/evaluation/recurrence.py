@@ -4,9 +4,9 @@ One full-attention forward per prompt captures every layer's pre-RoPE query (the
 output). For each of the prompt's last ``positions`` tokens ``m`` and each query head, the nearest
 pre-RoPE query among positions ``[m - K, m - 1]`` (what a ring of capacity ``K`` holds when MAC
 decodes these tokens) is an *oracle hit* at ``tau`` iff its distance is below ``sqrt(2d)(1 - tau)``
-and ``p - r >= 0`` (SPEC §1.1). The oracle hit rate is MAC's hit rate if it decoded these tokens
+and ``p - r >= 0`` (docs/spec.md §1.1). The oracle hit rate is MAC's hit rate if it decoded these tokens
 with exact upstream layers (with MAC in the loop, deeper layers' queries move a little); the skip
-is SPEC §1.5's ``E[(p - r)_+ / m]``. Because it needs no decode loop it sweeps thresholds and windows
+is docs/spec.md §1.5's ``E[(p - r)_+ / m]``. Because it needs no decode loop it sweeps thresholds and windows
 over many checkpoints in seconds: it tells whether a model has the recurrence MAC relies on
 before any fidelity run.
 
@@ -193,9 +193,9 @@ def plot(results: dict, path: str | Path, *, tau: float = 0.45, window: int = 10
 def _cmd_recurrence(args) -> int:
     from macattn.evaluation import harness as Hn
 
-    settings = RecurrenceSettings(taus=Hn._csv(args.taus, float), windows=Hn._csv(args.windows, int), band=args.band,
-                                  positions=args.positions)
-    ev = Hn.EvalSettings(lengths=Hn._csv(args.lengths, int), tasks=Hn._csv(args.tasks, str), n=args.n,
+    settings = RecurrenceSettings(taus=Hn.parse_csv(args.taus, float), windows=Hn.parse_csv(args.windows, int),
+                                  band=args.band, positions=args.positions)
+    ev = Hn.EvalSettings(lengths=Hn.parse_csv(args.lengths, int), tasks=Hn.parse_csv(args.tasks, str), n=args.n,
                          seed=args.seed)
     if args.device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {args.device!r}")

@@ -112,7 +112,9 @@ class StepContext:
 @runtime_checkable
 class PerSlotState(Protocol):
     """Anything with ``num_slots`` rows that can be emptied per slot (registered with the
-    runtime's slot registry, which resets a slot on admission and on release)."""
+    runtime's slot registry, which resets a slot on admission and on release). Optionally
+    ``copy(src, dst)``: copy slot ``src``'s rows into slot ``dst`` (a forked request, ``n > 1``, continues
+    from its parent's state; the engine refuses ``n > 1`` over a state without it)."""
 
     num_slots: int
 
@@ -176,10 +178,10 @@ class DecodePlans:
         return self.rows.page_table
 
     def make_plan(self, *, window: int = 1, band: int = 0, tau: float | None = None, **kwargs):
-        """A ``MacDecodePlan`` (``plugins/decode_plan.py``: split-KV attention over the paged pool, with
+        """A ``MacDecodePlan`` (``plugins/mac/decode_plan.py``: split-KV attention over the paged pool, with
         the match stages when ``tau`` is set; None: attend-only, ``run_full``) for this bucket's
         geometry; ``kwargs``: its other constructor arguments."""
-        from macattn.plugins.decode_plan import MacDecodePlan
+        from macattn.plugins.mac.decode_plan import MacDecodePlan
 
         g = self.geometry
         return MacDecodePlan(batch_size=g.batch_size, max_context=g.max_context, num_q_heads=g.num_q_heads,

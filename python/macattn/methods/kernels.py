@@ -2,35 +2,13 @@
 ops dispatch to the Triton launchers of ``macattn.plugins`` on CUDA (the engine's executor calls it on a
 CUDA device; scripts and tests call it themselves). Importing ``macattn.plugins`` registers nothing.
 Without triton (the CPU CI machine) it registers nothing, and the ops keep their plain-torch reference
-on every device."""
+on every device. The table of registered launchers is ``macattn.plugins.cuda_kernels``."""
 from __future__ import annotations
 
-from typing import Callable, Mapping
-
-import torch
-
 from macattn.plugins import HAVE_TRITON
+from macattn.plugins.cuda_kernels import registered_kernels
 
-__all__ = ["register_kernels", "registered_kernels", "register_cuda_launchers"]
-
-_REGISTERED: dict[str, Callable] = {}
-
-
-def register_cuda_launchers(launchers: Mapping[str, Callable[[], Callable]]) -> tuple[str, ...]:
-    """``{op name: factory}``: register ``factory()`` as each op's CUDA kernel, once per op (an op
-    registered before keeps its launcher). Returns the op names (registered now or before). The
-    building block of the methods' ``register_cuda_kernels``."""
-    for op, make in launchers.items():
-        if op not in _REGISTERED:
-            impl = make()
-            torch.library.register_kernel(op, "cuda", impl)
-            _REGISTERED[op] = impl
-    return tuple(launchers)
-
-
-def registered_kernels() -> dict[str, Callable]:
-    """``{op name: launcher}`` registered so far (the launcher instances the ops dispatch to on CUDA)."""
-    return dict(_REGISTERED)
+__all__ = ["register_kernels", "registered_kernels"]
 
 
 def register_kernels() -> tuple[str, ...]:

@@ -1,7 +1,15 @@
 """The built-in trained checkpoint: a small LLaMA trained by ``training/train_tiny_llama.py``.
 
 It lives in ``macattn/data/tiny_llama/`` (config.json, bf16 safetensors shards + index,
-tokenizer.json, train_log.json, heldout.txt) and loads with plain ``transformers``. Sources of its training
+tokenizer.json with tokenizer_config.json / special_tokens_map.json, train_log.json, heldout.txt) and loads with
+plain ``transformers`` (``AutoModelForCausalLM`` / ``AutoTokenizer`` of the directory).
+
+``tokenizer_config.json``: BOS ``<|bos|>`` (0), EOS ``<|eos|>`` (1), pad ``<|pad|>`` (2), no BOS added on
+encode, and a chat template. The model was trained on plain documents (``training/DATA.md``), so there is no
+chat format of its own: the template is the role-tagged one the OpenAI server documents, ``<|role|>\n{content}\n``
+per message (roles system, developer, user, assistant, tool; content parts of type text joined by newlines)
+then ``<|assistant|>\n`` with ``add_generation_prompt``. Inside content every ``<|`` is written ``< |``, so
+no message can forge a role marker or a special token; an unknown role or a non-text part raises. Sources of its training
 text: ``training/DATA.md``; licenses of the held-out text it ships: ``NOTICE.txt`` beside it.
 """
 from __future__ import annotations
@@ -10,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["BUILTIN_CHECKPOINT_DIR", "TRAIN_HINT", "builtin_checkpoint_available", "heldout_text",
+__all__ = ["BUILTIN_CHECKPOINT_DIR", "SPECIAL_TOKENS", "TRAIN_HINT", "builtin_checkpoint_available", "heldout_text",
            "load_builtin_checkpoint", "load_tokenizer"]
 
 BUILTIN_CHECKPOINT_DIR = Path(__file__).resolve().parents[1] / "data" / "tiny_llama"
@@ -36,13 +44,24 @@ def _missing(d: Path) -> list[str]:
     return missing
 
 
+SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
+"""The checkpoint's special tokens (ids 0, 1, 2; ``tokenizer_config.json`` names them too)."""
+
+
 def load_tokenizer(path: str | Path | None = None):
-    """The checkpoint's byte-level BPE tokenizer as a ``PreTrainedTokenizerFast``."""
+    """The checkpoint's byte-level BPE tokenizer: ``AutoTokenizer`` of the directory when it ships a
+    ``tokenizer_config.json`` (the built-in one does: BOS / EOS / pad and the chat template, so any
+    transformers-based tool reads the same tokenizer), else a ``PreTrainedTokenizerFast`` over
+    ``tokenizer.json`` with ``SPECIAL_TOKENS`` (a checkpoint fresh from ``training/``). Neither adds BOS
+    when encoding (the prompts of every test and benchmark are encoded so)."""
+    d = _check_dir(path)
+    if (d / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     from transformers import PreTrainedTokenizerFast
 
-    d = _check_dir(path)
-    return PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), bos_token="<|bos|>",
-                                   eos_token="<|eos|>", pad_token="<|pad|>")
+    return PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), **SPECIAL_TOKENS)
 
 
 def _check_dir(path) -> Path:

@@ -60,8 +60,8 @@ LIBRARY_SPECS = {
 
 def library_images(specs: dict | None = None) -> dict[str, AotImage]:
     """``{"match_<spec>": AotImage, "attend_<spec>": AotImage}`` for the library."""
-    from .mac_attend.plugin import attend_aot_image
-    from .mac_match.plugin import match_aot_image
+    from .mac.attend_plugin import attend_aot_image
+    from .mac.match_plugin import match_aot_image
 
     images = {}
     for name, (Hq, Hkv, d, K, band, tau, dt) in (specs or LIBRARY_SPECS).items():

@@ -170,8 +170,8 @@ def register_all() -> tuple[str, ...]:
     part way (definitions already in ``tensorrt.plugin`` are kept, the implementations re-attached)."""
     global _REGISTERED
     trt, trtp = require_tensorrt()
-    from .mac_attend import plugin as attend_plugin
-    from .mac_match import plugin as match_plugin
+    from .mac import attend_plugin
+    from .mac import match_plugin
     from .retrieval_completion import plugin as completion_plugin
     from .route_fused import plugin as route_plugin
 

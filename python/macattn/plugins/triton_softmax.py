@@ -18,7 +18,7 @@ Shapes (``AXIS``: the axis of ``s`` along which its entries are summed):
 ``tl.dot`` takes ``p`` in ``v``'s dtype (bf16 ``v``: bf16 ``p``; pass fp32 ``v`` for an fp32
 dot) with ``PRECISION`` as its ``input_precision`` (None: Triton's default).
 
-This file imports only ``triton``: the AOT kernel files (``mac_attend/onepass.py``) use it.
+This file imports only ``triton``: the AOT kernel files (``mac/attend_onepass.py``) use it.
 """
 import triton
 import triton.language as tl

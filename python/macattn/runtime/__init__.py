@@ -6,7 +6,7 @@ Modules (nano-vllm style, one job each): ``slots`` (per-request state registry),
 (runs the bound model, one ``StepContext`` per call; packed prefill), ``cuda_decode`` (per-bucket
 plans and CUDA graphs) with ``step_inputs`` (a bucket's static inputs, one staged copy per step),
 ``engine`` (requests + steps), ``model_runner`` (``ModelRunner.generate``), ``a3_assembly`` +
-``chunk_store`` (A3's fused prefill and chunk KV store), ``kv_tiers`` (offloaded KV pages).
+``chunk_store`` (A3's fused prefill, the chunk KV store and the completion method's prefix store).
 """
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.engine import LLMEngine, StepOutput

@@ -1,5 +1,5 @@
 """A3 assembly: the prefill of a RAG prompt ``[system, chunk_1 … chunk_n, question]`` from
-stored chunk KV (SPEC §4; selection math in ``macattn.methods.a3.reference``).
+stored chunk KV (docs/spec.md §4; selection math in ``macattn.methods.a3.reference``).
 
 Steps (``fuse_prefix`` then ``prefill_question``):
 
@@ -38,7 +38,7 @@ from macattn.models.attention import plain_attention, run_capturing
 from macattn.runtime.chunk_store import ChunkKVStore, _ids_tensor, precompute_chunk_kv
 
 __all__ = ["RagPrompt", "FusedCache", "FusionResult", "fuse_prefix", "prefill_question", "fused_generate",
-           "chunk_kv_source"]
+           "decode_after_prefill", "chunk_kv_source"]
 
 
 @dataclass
@@ -260,8 +260,18 @@ def fused_generate(model, prompt: RagPrompt, config: A3Config, *, max_new_tokens
     if forced is not None and len(forced) < max_new_tokens - 1:
         raise ValueError(f"forced must hold >= max_new_tokens - 1 = {max_new_tokens - 1} ids, got {len(forced)}")
     result = fuse_prefix(model, prompt, config, chunk_kv=chunk_kv, extra_capacity=max_new_tokens)
-    logits = prefill_question(model, result)
-    tokens = [int(logits.argmax())]
+    prefill_question(model, result)
+    return decode_after_prefill(model, result, max_new_tokens, forced=forced), result
+
+
+@torch.inference_mode()
+def decode_after_prefill(model, result: FusionResult, max_new_tokens: int = 1, *,
+                         forced: list[int] | None = None) -> list[int]:
+    """Greedy tokens after ``prefill_question`` ran on ``result`` (its ``logits`` give the first), each
+    next one decoded over the fused cache (built with ``extra_capacity >= max_new_tokens``). ``forced``
+    as in ``fused_generate``. Returns ``max_new_tokens`` ids."""
+    prompt = result.prompt
+    tokens = [int(result.logits.argmax())]
     pos = prompt.num_prefix + prompt.question.numel()
     with plain_attention(model):
         for i in range(max_new_tokens - 1):
@@ -270,7 +280,7 @@ def fused_generate(model, prompt: RagPrompt, config: A3Config, *, max_new_tokens
             tokens.append(int(logits.argmax()))
             pos += 1
     result.cache.write_pos = None
-    return tokens, result
+    return tokens
 
 
 def split_rag_prompt(input_ids, rag_lengths) -> RagPrompt:

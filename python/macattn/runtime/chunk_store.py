@@ -15,6 +15,10 @@ Writers save to a unique temporary file in the same directory and ``os.replace``
 place, so readers (threads or processes) see either no file or a whole one. The store is
 bounded by ``max_bytes``: after each write, least recently used entries (file mtime,
 refreshed on every hit) are deleted until the total fits.
+
+The same store keeps prompt prefixes for the offloaded completion method (``prefix_store``): keys
+*after* RoPE, as the KV cache holds them, under their own layout tag (``PREFIX_LAYOUT``), so a prefix
+entry and an A3 chunk of the same tokens never mix.
 """
 from __future__ import annotations
 
@@ -30,9 +34,11 @@ from safetensors.torch import load, save_file
 
 from macattn.models.attention import capture_pre_rope_kv, plain_attention
 
-__all__ = ["LAYOUT", "ChunkStoreIntegrityError", "ChunkKVStore", "precompute_chunk_kv", "model_fingerprint"]
+__all__ = ["LAYOUT", "PREFIX_LAYOUT", "ChunkStoreIntegrityError", "ChunkKVStore", "precompute_chunk_kv",
+           "prefix_store", "model_fingerprint"]
 
 LAYOUT = "macattn-a3-v1:k_pre_rope,v:[layers,tokens,kv_heads,head_dim]"
+PREFIX_LAYOUT = "macattn-prefix-v1:k_post_rope,v:[layers,tokens,kv_heads,head_dim]"
 _SUFFIX = ".safetensors"
 
 
@@ -213,6 +219,14 @@ class ChunkKVStore:
         k, v = precompute_chunk_kv(model, token_ids)
         self.put(token_ids, k, v)
         return k, v
+
+
+def prefix_store(directory, *, model_id: str, tokenizer_id: str = "", max_bytes: int | None = None) -> ChunkKVStore:
+    """The completion method's on-disk tier: a ``ChunkKVStore`` of prompt prefixes' ``k, v [L, T, Hkv, d]``
+    (keys after RoPE, as the KV cache holds them) under ``PREFIX_LAYOUT``, so its entries never mix with
+    A3's pre-RoPE chunks; every load checks model identity, token ids, dtype, shapes and the payload sha256."""
+    return ChunkKVStore(directory, model_id=model_id, tokenizer_id=tokenizer_id, max_bytes=max_bytes,
+                        layout=PREFIX_LAYOUT)
 
 
 def model_fingerprint(model) -> str:

@@ -1,21 +1,19 @@
-"""Retrieval-completion's serving options in one place (``LLM``, ``macattn serve``, the Triton model): from
-``(method, completion, maps, kv_offload, offload, prefix_store)`` to the engine's ``(method name,
-method_config, method_kwargs)``, and their JSON form for a Triton model repository's ``completion``
-parameter. ``kv_offload="host"`` selects the engine method ``completion_offload`` (prompt KV in host memory,
-selected pages fetched per step); ``prefix_store`` is a directory of persisted prompts (``kv_tiers.
+"""Retrieval-completion's serving options in one place (``EngineArgs.build_engine``, so ``LLM``, ``macattn
+serve``, the Triton model and ``ModelRunner``): from ``(method, completion, maps, kv_offload, offload,
+prefix_store)`` to the engine's ``(method name, method_config, method_kwargs)``. ``kv_offload="host"`` selects the engine method ``completion_offload`` (prompt KV in host memory,
+selected pages fetched per step); ``prefix_store`` is a directory of persisted prompts (``chunk_store.
 prefix_store``, keyed by the model's fingerprint)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from macattn.methods.completion.config import CompletionConfig
 from macattn.methods.completion.feature_maps import CompletionFeatureMaps, load_feature_maps, maps_for_model
 from macattn.methods.completion.offload import OffloadConfig
 from macattn.runtime.chunk_store import model_fingerprint
-from macattn.runtime.kv_tiers import prefix_store as make_prefix_store
+from macattn.runtime.chunk_store import prefix_store as make_prefix_store
 
-__all__ = ["KV_OFFLOAD", "completion_method", "completion_options_from_json", "completion_options_to_json"]
+__all__ = ["KV_OFFLOAD", "completion_method"]
 
 KV_OFFLOAD = (None, "host")
 _KEYS = ("completion", "maps", "kv_offload", "offload", "prefix_store")
@@ -49,31 +47,3 @@ def completion_method(model, method: str, *, completion=None, maps=None, kv_offl
         raise TypeError(f"offload must be an OffloadConfig, got {type(offload).__name__}")
     store = None if prefix_store is None else make_prefix_store(prefix_store, model_id=model_fingerprint(model))
     return "completion_offload", cfg, {"maps": maps, "offload": offload, "store": store}
-
-
-def completion_options_to_json(*, completion: CompletionConfig | None = None, maps=None, kv_offload=None,
-                               offload: OffloadConfig | None = None, prefix_store=None) -> str:
-    """The options as JSON (dataclasses as their fields, paths as strings); checked by parsing it back."""
-    doc = {"completion": None if completion is None else completion.__dict__,
-           "maps": None if maps is None else str(maps), "kv_offload": kv_offload,
-           "offload": None if offload is None else offload.__dict__,
-           "prefix_store": None if prefix_store is None else str(Path(prefix_store))}
-    text = json.dumps(doc, sort_keys=True)
-    completion_options_from_json(text)
-    return text
-
-
-def completion_options_from_json(text: str) -> dict:
-    """``completion_method``'s keyword arguments from ``completion_options_to_json``'s JSON (``ValueError``
-    naming the field that does not fit)."""
-    doc = json.loads(text)
-    if not isinstance(doc, dict) or set(doc) - set(_KEYS):
-        raise ValueError(f"completion options must be a JSON object with keys among {_KEYS}, got {text[:200]!r}")
-    out = {k: doc.get(k) for k in _KEYS}
-    if out["completion"] is not None:
-        out["completion"] = CompletionConfig(**out["completion"])
-    if out["offload"] is not None:
-        out["offload"] = OffloadConfig(**out["offload"])
-    if out["kv_offload"] not in KV_OFFLOAD:
-        raise ValueError(f"kv_offload must be one of {KV_OFFLOAD}, got {out['kv_offload']!r}")
-    return out

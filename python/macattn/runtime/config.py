@@ -10,7 +10,7 @@ from macattn.models.fused import QUANTIZATIONS
 
 __all__ = ["RuntimeConfig", "DEFAULT_CUDA_TOKEN_BUDGET"]
 
-DEFAULT_CUDA_TOKEN_BUDGET = 8192    # tokens per engine step on CUDA (benchmarks/NOTES.md, "Token budget")
+DEFAULT_CUDA_TOKEN_BUDGET = 8192    # tokens per engine step on CUDA (benchmarks/notes/serving.md, "Serving at the hardware floor"; to be measured)
 
 
 def _positive_int(name: str, value, *, allow_none: bool = False) -> None:
@@ -43,7 +43,7 @@ class RuntimeConfig:
         (one token each) plus prompt chunks of the requests being prefilled, packed into one model call,
         so a long prompt never stalls the running streams for more than one budget's prefill; must
         exceed ``max_batch_size``. ``None`` = ``DEFAULT_CUDA_TOKEN_BUDGET`` on CUDA (chosen by measurement,
-        ``benchmarks/NOTES.md``), whole prompts elsewhere. Prompts that build their KV their own way
+        ``benchmarks/notes/serving.md``), whole prompts elsewhere. Prompts that build their KV their own way
         (retrieval-completion, A3's chunked prompts, prefix-store loads) are prefilled whole.
     """
 

@@ -6,10 +6,12 @@ inputs (token ids, positions ``m``, state slots, sampling rows; for a method ove
 pool also the page table and the KV write rows) and the bound method's ``DecodePlans`` for the
 bucket (``AttentionMethod.decode_plans``: its own metadata and scratch, made once per bucket; the
 default an attend-only plan) and, with ``use_cuda_graphs``, the captured steps: embedding -> layers
--> final norm -> logits -> next tokens -> the method's ``record_decode_step``, one graph per variant
-``(greedy, method key)`` (``greedy``: argmax only, else temperature / top-k / top-p, captured the
-first time a batch has a sampling request; ``method key``: ``AttentionMethod.decode_graph_key``, a
-static setting of the method that changes what its step records). The host writes the inputs
+-> final norm -> logits -> next tokens (and the penalties' token counts) -> the method's
+``record_decode_step``, one graph per variant ``(sampler variant, method key)`` (``SamplerVariant``:
+argmax only, or the draw with temperature / min-p / top-k / top-p, with or without the bias table
+(logit bias, min-tokens bans) and the penalties, each captured the first time a batch needs it;
+``method key``: ``AttentionMethod.decode_graph_key``, a static setting of the method that changes
+what its step records). The host writes the inputs
 (``StepInputs``: one copy), replays, and reads the tokens back: the one synchronisation of a step.
 ``step`` pads a batch of ``B <= nb`` requests with rows that point at a scratch state slot (and a
 scratch KV block), owned by the executor and never handed to a request, so padding never touches a
@@ -32,7 +34,7 @@ import torch
 
 from macattn.methods.base import DecodeGeometry, DecodePlans, DecodeRows
 from macattn.runtime.kv_cache import PagedWriteView
-from macattn.runtime.sampling import PAD_ROW, SamplingBatch, sample_tokens
+from macattn.runtime.sampling import PAD_ROW, SamplerVariant, SamplingBatch, sample_tokens
 from macattn.runtime.step_inputs import StepInputs
 
 __all__ = ["DecodeBucket", "CudaDecoder"]
@@ -127,11 +129,13 @@ class CudaDecoder:
         b.plans = ex.method.decode_plans(geometry, rows)
         return b
 
-    def _capture(self, b: DecodeBucket, key: tuple[bool, Hashable]) -> None:
-        """Capture ``b``'s whole step for ``key = (greedy, method key)`` (warm-up first, on the
+    def _capture(self, b: DecodeBucket, key: tuple[SamplerVariant, Hashable]) -> None:
+        """Capture ``b``'s whole step for ``key = (sampler variant, method key)`` (warm-up first, on the
         bucket's scratch rows only: slot, block, position 0 — no request's state is touched; padding
-        rows carry ``valid == 0`` for what the method records)."""
+        rows carry ``valid == 0`` for what the method records and the token counts)."""
         dev = self.ex.device
+        if key[0].penalize:
+            self.ex.token_counts.ensure()        # allocated once, before any graph reads it
         self._write_inputs(b, [])
         s = torch.cuda.Stream(dev)
         s.wait_stream(torch.cuda.current_stream(dev))
@@ -144,8 +148,10 @@ class CudaDecoder:
             b.outputs[key] = self._forward(b, *key)
         b.graphs[key] = graph
 
-    def _forward(self, b: DecodeBucket, greedy: bool, method_key: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step (what a graph captures): the model over ``b``'s inputs, the sampler, then the method's
+    def _forward(self, b: DecodeBucket, variant: SamplerVariant, method_key: Hashable
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step (what a graph captures): the model over ``b``'s inputs, the sampler of ``variant`` (with
+        the penalties: the rows' token counts read, the step's tokens counted), then the method's
         ``record_decode_step`` for ``method_key``. Returns ``(tokens [nb], logits [nb, V])``."""
         ex = self.ex
         if not self.paged_kv:
@@ -154,7 +160,10 @@ class CudaDecoder:
         else:
             with ex.step(slots=b.slots, positions=b.positions, paged=b.plans):
                 logits = ex.run_model(b.ids, b.positions.view(b.nb, 1), b.mask, PagedWriteView(ex.kv, b.write_rows))
-        tokens = sample_tokens(logits, b.sampling, greedy_only=greedy)
+        counts = ex.token_counts.rows(b.slots) if variant.penalize else None
+        tokens = sample_tokens(logits, b.sampling, greedy_only=not variant.draw, use_bias=variant.bias, counts=counts)
+        if variant.penalize:
+            ex.token_counts.record(b.slots, tokens, b.valid)
         ex.method.record_decode_step(b.plans, method_key)
         return tokens, logits
 
@@ -175,11 +184,8 @@ class CudaDecoder:
         h["valid"][:n] = 1.0
         h["valid"][n:] = 0.0
         rows = ex.sampling_rows(seqs) + [PAD_ROW] * (b.nb - n)
-        h["temperature"][:] = [p.temperature for p, _, _ in rows]
-        h["top_k"][:] = [p.top_k for p, _, _ in rows]
-        h["top_p"][:] = [p.top_p for p, _, _ in rows]
-        h["seed"][:] = [seed for _, seed, _ in rows]
-        h["sample_pos"][:] = [pos for _, _, pos in rows]
+        keys = [(s.request_id, len(s.output) < s.sampling.min_tokens) for s in seqs] + [None] * (b.nb - n)
+        b.inputs.write_sampling(rows, keys)
         if self.paged_kv:
             h["write_rows"][:n] = [s.block_table[x // bs] * bs + x % bs for s, x in zip(seqs, m)]
             h["write_rows"][n:] = ex.scratch_block * bs
@@ -194,10 +200,10 @@ class CudaDecoder:
         b.inputs.upload()
 
     # --- one step --------------------------------------------------------------------------
-    def step_key(self, seqs) -> tuple[bool, Hashable]:
-        """Which captured variant a step of ``seqs`` replays: ``(greedy sampler only, the method's
-        decode_graph_key())``."""
-        return all(s.sampling.greedy for s in seqs), self.ex.method.decode_graph_key()
+    def step_key(self, seqs) -> tuple[SamplerVariant, Hashable]:
+        """Which captured variant a step of ``seqs`` replays: ``(SamplerVariant of their parameters, the
+        method's decode_graph_key())``."""
+        return SamplerVariant.of([s.sampling for s in seqs]), self.ex.method.decode_graph_key()
 
     @torch.inference_mode()
     def step(self, seqs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,10 @@ request raises ``ValueError`` / ``TypeError`` naming the parameter and touches n
 else); ``step`` decodes the running batch, prefills newly admitted requests and returns
 one ``StepOutput`` per request that produced a token or finished. Not thread-safe: one
 thread drives an engine (the Triton model drives it from its own loop thread).
+
+``add_request(..., n=k)`` samples one prompt ``k`` times: the prompt is prefilled once, then ``k - 1``
+forks start from it (sharing its full prompt KV blocks, a copy of its per-slot states), fork ``i`` with
+seed ``seed + i`` — each sequence equals an independent request with that ``random_seed``.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from macattn.methods.registry import method_class
 
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.executor import ModelExecutor
-from macattn.runtime.sampling import SamplingParams
+from macattn.runtime.sampling import MAX_SEED, SamplingParams
 from macattn.runtime.scheduler import Scheduler
 from macattn.runtime.sequence import Sequence
 from macattn.runtime.slots import SlotStates
@@ -65,14 +69,20 @@ class MethodSpec:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """token: the id generated for ``request_id`` this step (None if it only finished). logits: the
-    ``[V]`` row it was sampled from, on the engine's device."""
+    """token: the id generated for ``request_id`` this step (None if it only finished). finish_reason:
+    ``"length"``, ``"end_id"`` (the end token, not emitted), ``"stop_token_id"`` (a ``stop_token_ids`` token:
+    emitted, it is ``token``) or ``"aborted"``. logits: the ``[V]`` row it was sampled from (before any
+    penalty or bias), on the engine's device. prompt_logprobs: with ``SamplingParams.prompt_logprobs``, on
+    the request's first token (the step its prompt completes), one entry per prompt position: None for
+    position 0, else ``{prompt token id: logprob, then the top-k ids: logprob}`` (the same list for every
+    fork of a prompt)."""
 
     request_id: int
     token: int | None
     finished: bool
     finish_reason: str | None = None
     logits: torch.Tensor | None = None
+    prompt_logprobs: list | None = None
 
 
 def check_input_ids(input_ids, *, vocab_size: int, name: str = "input_ids") -> list[int]:
@@ -162,10 +172,12 @@ class LLMEngine:
 
     # --- requests -------------------------------------------------------------------------
     def make_request(self, input_ids, sampling: SamplingParams | None = None, *, reuse_prefix: bool = False,
-                     **sampling_kwargs) -> Sequence:
+                     n: int = 1, **sampling_kwargs) -> Sequence:
         """Validate and build a request without queueing it (raises on any bad parameter). ``reuse_prefix``:
         load the prompt's KV from the method's prefix store (and persist it there when absent); only a
-        method with a store takes it."""
+        method with a store takes it. ``n``: sequences sampled from the prompt; the returned request (index
+        0) carries the other ``n - 1`` in ``forks`` (request ids assigned now, seeds ``seed + i``); ``submit``
+        queues them all."""
         if sampling is None:
             sampling = SamplingParams(**sampling_kwargs)
         elif sampling_kwargs:
@@ -173,6 +185,7 @@ class LLMEngine:
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         ids = check_input_ids(input_ids, vocab_size=self.vocab_size)
+        self._check_token_ids(sampling)
         total = len(ids) + sampling.max_new_tokens
         if total > self.config.max_seq_len:
             raise ValueError(f"input_ids too long: {len(ids)} prompt tokens + max_new_tokens="
@@ -186,17 +199,66 @@ class LLMEngine:
             raise TypeError(f"reuse_prefix must be a bool, got {type(reuse_prefix).__name__}")
         if reuse_prefix and getattr(self.method, "store", None) is None:
             raise ValueError(f"reuse_prefix=True needs a method with a prefix store; {self.method.name!r} has none")
-        return Sequence(prompt=ids, sampling=sampling, seed=sampling.make_seed(), reuse_prefix=reuse_prefix)
+        if reuse_prefix and sampling.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not available with reuse_prefix=True (the prompt's KV is loaded, "
+                             "not computed)")
+        self._check_n(n, len(ids), total)
+        seq = Sequence(prompt=ids, sampling=sampling, seed=sampling.make_seed(), reuse_prefix=reuse_prefix)
+        seq.forks = [Sequence(prompt=ids, sampling=sampling, seed=(seq.seed + i) % (MAX_SEED + 1),
+                              reuse_prefix=reuse_prefix, index=i, parent=seq) for i in range(1, n)]
+        return seq
 
-    def add_request(self, input_ids, sampling: SamplingParams | None = None, **sampling_kwargs) -> int:
-        """Validate and queue one request; returns its request id. Raises ``ValueError`` /
+    def _check_token_ids(self, sampling: SamplingParams) -> None:
+        """The token ids and top-k of ``sampling`` against the vocabulary (``ValueError`` naming the field)."""
+        V = self.vocab_size
+        for name, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]), ("stop_token_ids", sampling.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"{name} token ids must lie in [0, {V - 1}] (vocab_size={V}), got {bad}")
+        # an end_id outside the vocabulary is never generated (accepted as before), but min_tokens bans it
+        if sampling.min_tokens and sampling.end_id is not None and not 0 <= sampling.end_id < V:
+            raise ValueError(f"end_id must lie in [0, {V - 1}] (vocab_size={V}) with min_tokens > 0, got {sampling.end_id}")
+        if sampling.prompt_logprobs is not None and sampling.prompt_logprobs > V:
+            raise ValueError(f"prompt_logprobs must be an int in [0, vocab_size={V}], got {sampling.prompt_logprobs}")
+
+    def _check_n(self, n, prompt_len: int, total: int) -> None:
+        """``n`` sequences of one prompt fit the engine (slots, KV blocks) and every per-slot state can be
+        copied to a fork."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        if n == 1:
+            return
+        if self.config.tensor_parallel_size > 1:
+            raise NotImplementedError(f"n={n} > 1 cannot run with tensor_parallel_size={self.config.tensor_parallel_size} "
+                                      "yet: forks copy per-slot state and KV on rank 0 only")
+        slots = self.slot_states.num_slots - (self.executor.scratch_slot is not None)
+        if n > slots:
+            raise ValueError(f"n={n} > the {slots} request slots (max_batch_size): the sequences of one prompt run "
+                             "together")
+        missing = self.slot_states.uncopyable()
+        if missing:
+            raise ValueError(f"n={n} > 1 is not supported with method {self.method.name!r}: its per-slot states "
+                             f"{missing} cannot be copied to a fork")
+        blocks = self.executor.blocks
+        need = blocks.blocks_needed(total)
+        need += (n - 1) * (need - blocks.shared_blocks(prompt_len))
+        if need > blocks.num_blocks:
+            raise ValueError(f"n={n}: the {n} sequences need {need} KV blocks together, the pool has {blocks.num_blocks}")
+
+    def add_request(self, input_ids, sampling: SamplingParams | None = None, *, n: int | None = None,
+                    **sampling_kwargs) -> int | list[int]:
+        """Validate and queue one request; returns its request id — or, given ``n``, the request ids of the
+        ``n`` sequences sampled from the prompt (``make_request``), index order. Raises ``ValueError`` /
         ``TypeError`` naming the bad parameter (nothing is queued then)."""
-        seq = self.make_request(input_ids, sampling, **sampling_kwargs)
+        seq = self.make_request(input_ids, sampling, n=1 if n is None else n, **sampling_kwargs)
         self.submit(seq)
-        return seq.request_id
+        return seq.request_id if n is None else [seq.request_id] + [f.request_id for f in seq.forks]
 
     def submit(self, seq: Sequence) -> None:
+        """Queue ``seq`` (and its forks: they are admitted with it and start from its prompt)."""
         self.requests[seq.request_id] = seq
+        for f in seq.forks:
+            self.requests[f.request_id] = f
         self.scheduler.add(seq)
 
     def abort(self, request_id: int) -> None:
@@ -229,7 +291,10 @@ class LLMEngine:
                 outputs.append(self._append(seq, token, row))
         if scheduled.prefills:
             rows = self.executor.prefill_chunks(list(scheduled.prefills))
-            done = [(c.seq, row) for c, row in zip(scheduled.prefills, rows) if row is not None]
+            done = []
+            for c, row in zip(scheduled.prefills, rows):
+                if row is not None:     # the prompt is prefilled: its forks start from it, sampled from its logits
+                    done += [(c.seq, row)] + [(f, row) for f in self.scheduler.fork(c.seq, self.executor.fork_kv)]
             if done:
                 logits = torch.stack([row for _, row in done])
                 tokens = self.executor.sample([seq for seq, _ in done], logits)
@@ -238,15 +303,19 @@ class LLMEngine:
         return outputs
 
     def _append(self, seq: Sequence, token: int, logits: torch.Tensor) -> StepOutput:
-        """Record ``token`` (sampled from ``logits [V]``) for ``seq``; finish it on end_id / length."""
+        """Record ``token`` (sampled from ``logits [V]``) for ``seq``; finish it on end_id / a stop token id /
+        length. The request's first token carries its prompt log-probabilities (when asked)."""
+        first = not seq.output and seq.sampling.prompt_logprobs is not None
+        extra = {"prompt_logprobs": seq.prompt_logprobs} if first else {}
         if seq.sampling.end_id is not None and token == seq.sampling.end_id:
             self.scheduler.finish(seq, "end_id")
-            return StepOutput(seq.request_id, None, True, "end_id", logits)
+            return StepOutput(seq.request_id, None, True, "end_id", logits, **extra)
         seq.output.append(token)
-        if len(seq.output) >= seq.sampling.max_new_tokens:
-            self.scheduler.finish(seq, "length")
-            return StepOutput(seq.request_id, token, True, "length", logits)
-        return StepOutput(seq.request_id, token, False, None, logits)
+        reason = ("stop_token_id" if token in seq.sampling.stop_token_ids else
+                  "length" if len(seq.output) >= seq.sampling.max_new_tokens else None)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return StepOutput(seq.request_id, token, reason is not None, reason, logits, **extra)
 
     def run_to_completion(self) -> None:
         while self.has_unfinished():

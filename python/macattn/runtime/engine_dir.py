@@ -6,19 +6,20 @@
 
 Reading is tolerant: unknown keys are ignored, the MAC config may sit under
 ``mac_config`` or ``mac`` and may carry fields this version does not know (dropped with
-their names kept in ``EngineManifest.ignored``).
+their names kept in ``EngineManifest.ignored``); every field this version knows is read
+(``MacConfig.from_dict``).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from macattn.methods.mac.config import MacConfig
 
 __all__ = ["EngineManifest", "read_engine_dir", "write_engine_dir"]
 
-_MAC_FIELDS = ("window", "band", "tau", "enabled", "layer_overrides")
+_MAC_FIELDS = tuple(f.name for f in fields(MacConfig))
 
 
 @dataclass(frozen=True)

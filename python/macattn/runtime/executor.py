@@ -12,6 +12,11 @@ On CUDA, decode goes through ``CudaDecoder`` (the whole step per batch bucket, t
 the paged pool, CUDA graphs), which pads batches with a scratch state row and, over the paged pool, a
 scratch KV block reserved here.
 
+Sampling (``sample``, and inside the GPU decode step) reads and updates the penalties' per-slot token
+counts (``TokenCounts``, a per-slot state registered with the slots). A request with
+``prompt_logprobs`` gets the logits of every position of its packed chunks (``logits_at``), reduced
+per chunk to the log-probability of each next prompt token and the top-k (``Sequence.prompt_logprobs``).
+
 ``PrefillIO`` is what a whole-request prefill (A3's fused prefix, a prefix-store load) may do with a
 request: write its prompt K/V rows and run a continued prefill — nothing else of the executor.
 """
@@ -28,10 +33,12 @@ from macattn.models.fused import FusedForward
 from macattn.runtime.block_manager import BlockManager
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.kv_cache import DecodeView, PagedKVCache, PrefillView
-from macattn.runtime.sampling import SamplingBatch, sample_tokens
+from macattn.runtime.sampling import SamplerVariant, SamplingBatch, SamplingRow, TokenCounts, sample_tokens
 from macattn.runtime.sequence import PrefillChunk, Sequence
 
 __all__ = ["ModelExecutor", "PrefillIO"]
+
+_LOGPROB_ROWS = 256          # prompt positions reduced to log-probabilities at a time (bounds the fp32 copy)
 
 
 class ModelExecutor:
@@ -82,6 +89,8 @@ class ModelExecutor:
         self.a3 = build_method("a3", self.method.dims, num_slots=self.num_slots) if self.paged_kv else None
         self.scratch_slot = None
         self.scratch_block = config.num_blocks if gpu and self.paged_kv else None
+        self.vocab_size = hf.vocab_size
+        self.token_counts = TokenCounts(self.num_slots, hf.vocab_size, self.device)
         self.decoder = None
         if gpu:
             from macattn.runtime.cuda_decode import CudaDecoder
@@ -96,10 +105,12 @@ class ModelExecutor:
         """Nothing to release outside this process (``TensorParallelExecutor`` has its workers')."""
 
     def slot_states(self) -> dict:
-        """Every per-request state to register with the slot registry: the method's and FastMKA's."""
+        """Every per-request state to register with the slot registry: the method's, FastMKA's and the
+        sampler's token counts."""
         states = dict(self.method.slot_states())
         if self.mka is not None:
             states.update(self.mka.slot_states())
+        states["sampler_token_counts"] = self.token_counts
         return states
 
     def request_metrics(self, slot: int) -> dict[str, float]:
@@ -160,6 +171,9 @@ class ModelExecutor:
     def prefill(self, seq: Sequence) -> torch.Tensor:
         """Prefill ``seq``'s whole prompt: A3's ``prefill_request`` when it carries a chunked prompt
         (``seq.rag``), the method's when it loads from a prefix store, else ``prefill_plain``."""
+        if seq.sampling.prompt_logprobs is not None and (seq.rag is not None or seq.reuse_prefix):
+            raise ValueError(f"request {seq.request_id}: prompt_logprobs is not available for chunked (A3) prompts "
+                             "or prefix-store loads")
         if seq.rag is not None:
             if self.a3 is None:
                 raise ValueError(f"chunked (A3) prompts need a method over the paged KV cache; "
@@ -175,17 +189,25 @@ class ModelExecutor:
         L = len(seq.prompt)
         if not self.paged_kv:
             ids = torch.tensor([seq.prompt], dtype=torch.int64, device=self.device)
+            pos = torch.arange(L, device=self.device)
             with self.step(slots=torch.tensor([seq.slot], dtype=torch.int64)):
-                return self.run_model(ids, torch.arange(L, device=self.device).unsqueeze(0))[0]
+                if seq.sampling.prompt_logprobs is None:
+                    return self.run_model(ids, pos.unsqueeze(0))[0]
+                logits = self.run_model(ids, pos.unsqueeze(0), logits_at=pos)
+            self._prompt_logprobs(PrefillChunk(seq, 0, L), logits)
+            return logits[-1]
         return self._prefill_packed([PrefillChunk(seq, 0, L)])[0]
 
     @torch.inference_mode()
     def _prefill_packed(self, chunks: list[PrefillChunk]) -> torch.Tensor:
         """One packed model call over ``chunks`` (``macattn.core.ragged``: their tokens back to back, K/V
         written to their pool rows, each attending causally to its own earlier positions, each request's
-        state seeded). Returns the logits ``[n, V]`` of each chunk's last token; sets ``num_prefilled``."""
+        state seeded). Returns the logits ``[n, V]`` of each chunk's last token; sets ``num_prefilled``. A
+        chunk of a request with ``prompt_logprobs`` gets the logits of all its tokens (``logits_at``), reduced
+        to its prompt log-probabilities (``_prompt_logprobs``)."""
         dev = self.device
         ids, pos, write, segments, offset = [], [], [], [], 0
+        at, last, spans = [], [], []        # logits rows kept; each chunk's last one; (chunk, first row)
         for c in chunks:
             seq = c.seq
             ids.extend(seq.prompt[c.start:c.end])
@@ -193,28 +215,92 @@ class ModelExecutor:
             write.append(self.blocks.rows(seq, c.start, c.end))
             history = self.blocks.rows(seq, 0, c.start).to(dev) if c.start else None
             segments.append(PrefillSegment(offset, c.num_tokens, c.start, seq.slot, history))
+            if seq.sampling.prompt_logprobs is not None:
+                spans.append((c, len(at)))
+                at.extend(range(offset, offset + c.num_tokens))
+            else:
+                at.append(offset + c.num_tokens - 1)
+            last.append(len(at) - 1)
             offset += c.num_tokens
         plan = RaggedPrefill(segments, self.kv.k, self.kv.v)
         view = PrefillView(self.kv, torch.cat(write), cached=chunks[0].start if len(chunks) == 1 else 0)
         ids_t = torch.tensor(ids, dtype=torch.int64).view(1, -1).to(dev, non_blocking=True)
         pos_t = torch.cat(pos).view(1, -1).to(dev, non_blocking=True)
-        last = torch.tensor(plan.last_token_indices(), dtype=torch.int64).to(dev, non_blocking=True)
+        at_t = torch.tensor(at, dtype=torch.int64).to(dev, non_blocking=True)
         with self.step(slots=torch.tensor(plan.slots, dtype=torch.int64), prefill=plan):
-            logits = self.run_model(ids_t, pos_t, None, view, logits_at=last)
+            logits = self.run_model(ids_t, pos_t, None, view, logits_at=at_t)
         for c in chunks:
             c.seq.num_prefilled = c.end
-        return logits
+        for c, row in spans:
+            self._prompt_logprobs(c, logits[row:row + c.num_tokens])
+        return logits if not spans else logits[torch.tensor(last, dtype=torch.int64, device=logits.device)]
 
     @staticmethod
-    def sampling_rows(seqs: list[Sequence]) -> list[tuple]:
-        """``(params, seed, position of the token to generate)`` per request (``SamplingBatch.of``)."""
-        return [(s.sampling, s.seed, s.num_tokens) for s in seqs]
+    def _prompt_logprobs(c: PrefillChunk, rows: torch.Tensor) -> None:
+        """Extend ``c.seq.prompt_logprobs`` (``[None]`` for position 0, started by the prompt's first chunk)
+        with positions ``c.start + 1 .. min(c.end, L - 1)`` from ``rows [c.num_tokens, V]``, the logits of
+        positions ``c.start .. c.end - 1``: per position ``{prompt token: logprob}`` followed by the top
+        ``prompt_logprobs`` tokens' (log-softmax in fp32, or fp64 for fp64 logits)."""
+        seq = c.seq
+        if c.start == 0:
+            seq.prompt_logprobs = [None]
+        k = seq.sampling.prompt_logprobs
+        m = min(c.end, len(seq.prompt) - 1) - c.start
+        dt = torch.promote_types(rows.dtype, torch.float32)
+        for b in range(0, max(m, 0), _LOGPROB_ROWS):
+            n = min(_LOGPROB_ROWS, m - b)
+            lp = torch.log_softmax(rows[b:b + n].to(dt), dim=-1)
+            targets = seq.prompt[c.start + 1 + b:c.start + 1 + b + n]
+            mine = lp.gather(1, torch.tensor(targets, dtype=torch.int64, device=lp.device)[:, None])[:, 0].tolist()
+            top_v, top_i = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else (None, None)
+            top_v, top_i = (top_v.tolist(), top_i.tolist()) if k else ([[]] * n, [[]] * n)
+            for t, v, tv, ti in zip(targets, mine, top_v, top_i):
+                entry = {t: v}
+                for i, x in zip(ti, tv):
+                    entry.setdefault(i, x)
+                seq.prompt_logprobs.append(entry)
+
+    def fork_kv(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` — a fork of ``parent`` sharing its full prompt blocks (``BlockManager.allocate_fork``)
+        — a copy of the K/V of the parent's partially filled last prompt block. Nothing for a method that
+        keeps its own KV (its per-slot state is copied with the slot's)."""
+        if not self.paged_kv:
+            return
+        L = len(parent.prompt)
+        start = L - L % self.blocks.block_size
+        if start == L:
+            return
+        src = self.blocks.rows(parent, start, L).to(self.device)
+        dst = self.blocks.rows(child, start, L).to(self.device)
+        with torch.inference_mode():
+            for pool in self.kv.k + self.kv.v:
+                pool.index_copy_(0, dst, pool.index_select(0, src))
+
+    @staticmethod
+    def sampling_rows(seqs: list[Sequence]) -> list[SamplingRow]:
+        """``(params, seed, position of the token to generate, tokens generated)`` per request
+        (``SamplingBatch.of``)."""
+        return [SamplingRow(s.sampling, s.seed, s.num_tokens, len(s.output)) for s in seqs]
 
     @torch.inference_mode()
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """Each request's next token from its row of ``logits [B, V]`` (``runtime.sampling``)."""
+        """Each request's next token from its row of ``logits [B, V]`` (``runtime.sampling``). The penalties'
+        token counts: a request's prompt is marked before its first token; every sampled token is counted
+        (once the counts exist: the first request with a penalty allocates them)."""
+        variant = SamplerVariant.of([s.sampling for s in seqs])
+        counts, slots, tc = None, None, self.token_counts
+        if variant.penalize:
+            for s in seqs:
+                if not s.output and s.sampling.penalized:
+                    tc.add_prompt(s.slot, s.prompt)
+        if tc.allocated:
+            slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64).to(logits.device)
+            counts = tc.rows(slots) if variant.penalize else None
         batch = SamplingBatch.of(self.sampling_rows(seqs), logits.device)
-        return sample_tokens(logits, batch, greedy_only=all(s.sampling.greedy for s in seqs)).tolist()
+        tokens = sample_tokens(logits, batch, greedy_only=not variant.draw, counts=counts)
+        if slots is not None:
+            tc.record(slots, tokens)
+        return tokens.tolist()
 
     @torch.inference_mode()
     def decode_step(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor]:

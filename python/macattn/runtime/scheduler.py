@@ -7,13 +7,14 @@ the budget (``None``: whole prompts). A prompt the executor cannot split (``pack
 prompts, prefix-store loads, methods keeping their own KV) is scheduled whole, alone if it exceeds the
 budget. Admission is FIFO and needs a free state slot (MAC rings + other per-slot state, reset on
 acquire) and KV blocks for ``prompt + max_new_tokens``. Finishing releases both (the slot's states are
-reset again).
+reset again). A request sampled ``n`` times is admitted with its forks (``n`` slots; the forks' blocks
+beyond the shared full prompt blocks); once its prompt is prefilled, ``fork`` starts them.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from macattn.runtime.block_manager import BlockManager
 from macattn.runtime.sequence import PrefillChunk, Sequence, SequenceStatus
@@ -97,27 +98,65 @@ class Scheduler:
         return ScheduledStep(decodes, tuple(prefills))
 
     def admit(self) -> list[Sequence]:
-        """Move waiting requests (FIFO) into the running set while a slot and blocks are free."""
+        """Move waiting requests (FIFO) into the running set while slots and blocks are free (a request
+        with forks: one slot each, and their blocks; the forks wait for the parent's prompt)."""
         admitted = []
-        while self.waiting and self.slots.num_free and self.blocks.can_allocate(self.waiting[0]):
+        while (self.waiting and self.slots.num_free >= 1 + len(self.waiting[0].forks)
+               and self.blocks.can_allocate(self.waiting[0])):
             seq = self.waiting.popleft()
             seq.slot = self.slots.acquire()
             self.blocks.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             admitted.append(seq)
+            for child in seq.forks:
+                child.slot = self.slots.acquire()
+                self.blocks.allocate_fork(seq, child)
+                child.status = SequenceStatus.FORK_PENDING
         return admitted
 
+    def fork(self, parent: Sequence, copy_kv: Callable[[Sequence, Sequence], None]) -> list[Sequence]:
+        """Start ``parent``'s forks once its prompt is prefilled: each gets a copy of the parent's per-slot
+        states (``SlotStates.copy``) and, through ``copy_kv(parent, child)``, of its partially filled last
+        prompt block; they join the running set as prefilled. Returns them (in index order)."""
+        if not parent.forks:
+            return []
+        if parent.num_prefilled != len(parent.prompt):
+            raise RuntimeError(f"request {parent.request_id}'s prompt is not prefilled")
+        children, parent.forks = parent.forks, []
+        for child in children:
+            if child.status is not SequenceStatus.FORK_PENDING:
+                raise RuntimeError(f"fork {child.request_id} is {child.status.value}, not pending")
+            self.slots.copy(parent.slot, child.slot)
+            copy_kv(parent, child)
+            child.num_prefilled = parent.num_prefilled
+            child.prompt_logprobs = parent.prompt_logprobs
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        return children
+
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Release the request's slot (states reset) and KV blocks."""
+        """Release the request's slot (states reset) and KV blocks. A parent ending before its forks started
+        ends them too (with the same reason); a fork ending before it started leaves its parent's group."""
         if seq.status is SequenceStatus.RUNNING:
             if self.on_finish is not None:
                 self.on_finish(seq)
             self.slots.release(seq.slot)
             self.blocks.free(seq)
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif seq.status is SequenceStatus.FORK_PENDING:
+            self.slots.release(seq.slot)
+            self.blocks.free(seq)
+        elif seq.status is SequenceStatus.WAITING and seq.parent is None:
             self.waiting.remove(seq)
+        if seq.parent is not None and seq in seq.parent.forks:
+            seq.parent.forks.remove(seq)
         seq.slot = None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self._finish_all(list(seq.forks), reason)
+
+    def _finish_all(self, seqs: Iterable[Sequence], reason: str) -> None:
+        for s in seqs:
+            if not s.finished:
+                self.finish(s, reason)

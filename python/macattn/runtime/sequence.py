@@ -1,4 +1,5 @@
-"""One request's life in the runtime: prompt, generated tokens, slot, KV block table."""
+"""One request's life in the runtime: prompt, generated tokens, slot, KV block table; the forks of a
+request sampled ``n`` times (``LLMEngine.add_request(..., n=)``)."""
 from __future__ import annotations
 
 import enum
@@ -15,6 +16,8 @@ _ids = itertools.count()
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"      # validated, queued, owns nothing
     RUNNING = "running"      # owns a state slot and KV blocks
+    FORK_PENDING = "fork_pending"   # a fork admitted with its parent: owns a slot and KV blocks (the parent's
+                                    # full prompt blocks shared), starts when the parent's prompt is prefilled
     FINISHED = "finished"    # released everything
 
 
@@ -24,6 +27,12 @@ class Sequence:
 
     ``slot`` (MAC ring row / per-slot state index) and ``block_table`` (KV block ids, one per
     ``block_size`` positions) are set by the scheduler at admission and cleared at finish.
+
+    A request sampled ``n`` times is a parent (``index`` 0, prefilled once) carrying its ``n - 1`` forks in
+    ``forks`` until its prompt is prefilled; a fork has ``parent`` set and its own ``index``, seed and
+    request id, is admitted with its parent and starts from the parent's prompt (``Scheduler.fork``).
+    ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``): per prompt position, None for position
+    0, else ``{prompt token: logprob, top-k tokens: logprob}``, filled chunk by chunk (shared by the forks).
     """
 
     prompt: list[int]
@@ -42,6 +51,15 @@ class Sequence:
     num_prefilled: int = 0                    # prompt tokens whose KV is written (chunked prefill)
     # load the prompt's KV from the method's prefix store when there (and persist it when not)
     reuse_prefix: bool = False
+    prompt_logprobs: list | None = field(default=None, repr=False)
+    index: int = 0                            # which of the n samples of its prompt (0: the parent)
+    forks: list["Sequence"] = field(default_factory=list, repr=False)   # a parent's forks, until they start
+    parent: "Sequence | None" = field(default=None, repr=False)         # a fork's parent
+
+    @property
+    def parent_id(self) -> int | None:
+        """The request id of the request this one is a fork of (None: not a fork)."""
+        return None if self.parent is None else self.parent.request_id
 
     @property
     def num_tokens(self) -> int:

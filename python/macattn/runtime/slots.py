@@ -3,13 +3,14 @@
 A request owns one slot index from admission to finish. ``SlotStates`` hands slots out and calls
 ``reset(slot)`` on every registered per-slot state at both ends — the method's state (MAC rings,
 retrieval-completion rows, …, from ``AttentionMethod.slot_states()``) and e.g. FastMKA's running
-session summary (SPEC §2: ``L2_t``, a causal prefix mean/EMA per layer). Nothing a request
+session summary (docs/spec.md §2: ``L2_t``, a causal prefix mean/EMA per layer). Nothing a request
 leaves behind is visible to the slot's next owner.
 """
 from __future__ import annotations
 
 import torch
 
+from macattn.core.slot_pool import SlotStatePool
 from macattn.methods.base import PerSlotState
 
 __all__ = ["PerSlotState", "TensorSlotState", "SlotStates"]
@@ -34,52 +35,40 @@ class TensorSlotState:
     def reset(self, slot: int) -> None:
         self.data[slot].fill_(self.fill)
 
+    def copy(self, src: int, dst: int) -> None:
+        self.data[dst].copy_(self.data[src])
 
-class SlotStates:
-    """The registry: named per-slot states, all with ``num_slots`` rows, and the free list."""
+
+class SlotStates(SlotStatePool):
+    """The registry: named per-slot states (``states``), all with ``num_slots`` rows, over the one slot
+    free list (``macattn.core.slot_pool.SlotStatePool``)."""
 
     def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
+        super().__init__(num_slots)
         self.states: dict[str, PerSlotState] = {}
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._in_use: set[int] = set()
 
     def register(self, name: str, state: PerSlotState) -> PerSlotState:
         if not isinstance(state, PerSlotState):
             raise TypeError(f"state {name!r} must have num_slots and reset(slot), got {type(state).__name__}")
-        if state.num_slots != self.num_slots:
-            raise ValueError(f"state {name!r} has {state.num_slots} slots, registry has {self.num_slots}")
         if name in self.states:
             raise ValueError(f"a per-slot state named {name!r} is already registered")
-        self.states[name] = state
-        for slot in self._in_use:          # a new state starts empty for current owners too
-            state.reset(slot)
+        self.states[name] = self.attach(state, name)
         return state
 
-    @property
-    def num_free(self) -> int:
-        return self.num_slots - len(self._in_use)
+    def uncopyable(self) -> list[str]:
+        """The registered states without ``copy(src, dst)``: a request with forks (``n > 1``) cannot run over
+        them."""
+        return [name for name, state in self.states.items() if not callable(getattr(state, "copy", None))]
 
-    @property
-    def in_use(self) -> tuple[int, ...]:
-        """The slots handed out (sorted)."""
-        return tuple(sorted(self._in_use))
-
-    def acquire(self) -> int:
-        """A free slot with every registered state reset; raises ``RuntimeError`` if none is free."""
-        if not self._free:
-            raise RuntimeError(f"no free slot: all {self.num_slots} are in use")
-        slot = self._free.pop()
+    def copy(self, src: int, dst: int) -> None:
+        """Copy every registered state's rows of held slot ``src`` into held slot ``dst`` (a fork's start:
+        ``dst`` continues from where ``src``'s request is). ``NotImplementedError`` naming the states that
+        cannot be copied."""
+        missing = self.uncopyable()
+        if missing:
+            raise NotImplementedError(f"the per-slot states {missing} cannot be copied (no copy(src, dst))")
+        for slot in (src, dst):
+            if not self._held(slot):
+                raise ValueError(f"slot {slot} is not in use")
         for state in self.states.values():
-            state.reset(slot)
-        self._in_use.add(slot)
-        return slot
-
-    def release(self, slot: int) -> None:
-        """Reset every state of ``slot`` and return it to the pool."""
-        if slot not in self._in_use:
-            raise ValueError(f"slot {slot} is not in use")
-        for state in self.states.values():
-            state.reset(slot)
-        self._free.append(slot)
-        self._in_use.discard(slot)
+            state.copy(src, dst)

@@ -1,4 +1,4 @@
-"""Reference of Top-k retrieval + linear-attention completion (macattn.methods.completion.reference, SPEC §3)."""
+"""Reference of Top-k retrieval + linear-attention completion (macattn.methods.completion.reference, docs/spec.md §3)."""
 from __future__ import annotations
 
 import math

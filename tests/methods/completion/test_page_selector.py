@@ -1,11 +1,23 @@
-"""The offloaded decode's page selector reference: page bounds bound every key, the selection equals
-a brute force over the bounds (max over the KV head's query heads, ties to the lower page)."""
+"""The offloaded decode's page selector reference: page bounds are each page's per-channel min / max (brute
+force) and bound every key, the selection equals a brute force over the bounds (max over the KV head's
+query heads, ties to the lower page)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from macattn.methods.completion.reference import page_bounds, page_upper_bounds, select_pages_reference
+
+
+@pytest.mark.parametrize("T,page", [(1, 4), (7, 4), (8, 4), (13, 5), (16, 1)])
+def test_page_bounds_equal_brute_force(T, page):
+    k = torch.randn(3, T, 6, dtype=torch.float64)
+    lo, hi = page_bounds(k, page, torch.float32)
+    P = -(-T // page)
+    assert lo.shape == hi.shape == (3, P, 6) and lo.dtype == torch.float32
+    for p in range(P):
+        chunk = k[:, p * page:(p + 1) * page].float()
+        assert torch.equal(lo[:, p], chunk.amin(1)) and torch.equal(hi[:, p], chunk.amax(1))
 
 
 def test_page_upper_bounds_bound_every_key_of_the_page():

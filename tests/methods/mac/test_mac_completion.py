@@ -1,4 +1,4 @@
-"""MAC with completion on a miss (``miss_policy="completion"``) against plain MAC and the SPEC §3 reference."""
+"""MAC with completion on a miss (``miss_policy="completion"``) against plain MAC and the docs/spec.md §3 reference."""
 import math
 from types import SimpleNamespace
 
@@ -8,7 +8,7 @@ import torch
 from macattn.methods.completion.reference import hybrid_decode_step
 from macattn.methods.mac.config import MacConfig
 from macattn.methods.mac.reference import full_attention_reference, mac_decode_step_reference
-from macattn.methods.mac.completion_on_miss import CompletionOnMiss, MissCompletionConfig, random_feature_maps
+from macattn.methods.completion.completion_on_miss import CompletionOnMiss, MissCompletionConfig, random_feature_maps
 
 D, K_RING = 16, 32
 
@@ -61,7 +61,7 @@ def test_top_k_covering_mid_equals_plain_miss(hq, hkv, n_sink, n_tail, band):
 
 @pytest.mark.parametrize("hq,hkv,top_k", [(4, 2, 5), (2, 1, 0), (4, 4, 12)])
 def test_entry_matches_spec3_reference_over_the_rectified_range(hq, hkv, top_k):
-    """The completed ring entry AS^{(m)}_[0, m-r] is SPEC §3's step on keys 0..m-r with the tail
+    """The completed ring entry AS^{(m)}_[0, m-r] is docs/spec.md §3's step on keys 0..m-r with the tail
     widened to the band (``macattn.methods.completion.reference.hybrid_decode_step``, an independent reference)."""
     n_sink, n_tail, band = 4, 6, 10
     q, k, v, npf, pos = _case(hq, hkv, [90, 70], [105, 79], seed=top_k + hq)   # m - r + 1 >= N

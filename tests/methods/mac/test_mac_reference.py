@@ -1,8 +1,8 @@
-"""MAC-Attention reference decode step (SPEC §1) against independent fp64 computations.
+"""MAC-Attention reference decode step (docs/spec.md §1) against independent fp64 computations.
 
 The expected values here never call ``macattn.core.summaries`` / ``macattn.methods.mac.reference`` helpers: every
 summary is a plain ``torch.softmax`` / ``torch.logsumexp`` over an explicit index range,
-and the whole decode loop is re-modelled by ``RefMac`` below straight from SPEC §1.
+and the whole decode loop is re-modelled by ``RefMac`` below straight from docs/spec.md §1.
 """
 import math
 
@@ -64,7 +64,7 @@ def clone_rings(rings):
 
 
 class RefMac:
-    """Independent model of SPEC §1 for one request, all heads, fp64 math.
+    """Independent model of docs/spec.md §1 for one request, all heads, fp64 math.
 
     ring: position -> (q_pre [Hq, d], o [Hq, d], lse [Hq]) holding the last K positions, values
     rounded through the ring dtypes the module stores them in.
@@ -223,7 +223,7 @@ def test_forced_hit_equals_spec_formula(band, m, offsets, dtype):
         rings[0][0, h, p % K] = q_pre[h]          # certain match at p (distance 0)
     before = clone_rings(rings)
 
-    # expected, straight from SPEC §1 with the cached summary taken under the OLD query q_p
+    # expected, straight from docs/spec.md §1 with the cached summary taken under the OLD query q_p
     exp_out, exp_entry = [], []
     for h, p in enumerate(ps):
         cached = as64(old_q[p][h], k[0], v[0], 0, p - band)

@@ -1,4 +1,4 @@
-"""MacState (rings per layer and request slot) and MacDiagnostics (SPEC §1.4, §1.5)."""
+"""MacState (rings per layer and request slot) and MacDiagnostics (docs/spec.md §1.4, §1.5)."""
 import math
 
 import pytest

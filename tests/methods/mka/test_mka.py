@@ -1,4 +1,4 @@
-"""FastMKA (SPEC §2): reference math, the patched LLaMA/Qwen2/Mistral models, the CPU op, fine-tuning."""
+"""FastMKA (docs/spec.md §2): reference math, the patched LLaMA/Qwen2/Mistral models, the CPU op, fine-tuning."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""MkaState: the FastMKA L2 session summary per layer and request slot (SPEC §2)."""
+"""MkaState: the FastMKA L2 session summary per layer and request slot (docs/spec.md §2)."""
 import pytest
 import torch
 

@@ -97,35 +97,14 @@ class TritonPythonModel:
             return
         import torch
 
-        from macattn.methods.mac.config import MacConfig
-        from macattn.runtime import ModelRunner, RuntimeConfig
+        from macattn.runtime.engine_args import EngineArgs
 
         threads = int(params.get("torch_num_threads", "0"))
         if threads > 0:
             torch.set_num_threads(threads)
         self.torch = torch
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
-        # tensor_parallel_size only when set: a repository without TP stays loadable by a macattn that
-        # predates it (the stub imports the macattn of its sys_path, not necessarily this file's)
-        tp = int(params.get("tensor_parallel_size", "1"))
-        rc = RuntimeConfig(max_batch_size=int(params.get("max_batch_size", "8")),
-                           block_size=int(params.get("block_size", "16")), device=params.get("device", "cpu"),
-                           **({"tensor_parallel_size": tp} if tp != 1 else {}))
-        mac = MacConfig.from_dict(json.loads(params["mac_config"])) if "mac_config" in params else None
-        if "completion" in params:       # retrieval-completion (kv_offload, prefix store): runtime/completion_setup.py
-            from transformers import AutoModelForCausalLM
-
-            from macattn.runtime.completion_setup import completion_method, completion_options_from_json
-            from macattn.runtime.engine_dir import read_engine_dir
-
-            hf = AutoModelForCausalLM.from_pretrained(str(read_engine_dir(params["engine_dir"]).hf_dir),
-                                                      attn_implementation="sdpa", dtype="auto")
-            name, method_config, method_kwargs = completion_method(hf, "completion",
-                                                                   **completion_options_from_json(params["completion"]))
-            self.engine = ModelRunner.from_hf(hf, None, runtime_config=rc, method=name, method_config=method_config,
-                                              method_kwargs=method_kwargs).engine
-        else:
-            self.engine = ModelRunner.from_dir(params["engine_dir"], mac_config=mac, runtime_config=rc).engine
+        self.engine = EngineArgs.from_json(params["engine_args"]).build_engine()
         # A3 chunked prompts (optional input rag_lengths): fusion config from the a3_config parameter
         from macattn.methods.a3.config import A3Config
         from macattn.runtime.chunk_store import ChunkKVStore, model_fingerprint

@@ -28,14 +28,11 @@ INT32 ``[1]``; optional ``bad_words`` / ``stop_words`` STRING ``[-1]``, ``end_id
 returns ``text_output`` STRING ``[-1]``. Triton's ``generate`` (one response) and
 ``generate_stream`` (``"stream": true``: one per token) endpoints serve it.
 
-Parameters (``config.pbtxt``, written now and read by ``model.py`` at load time):
-``engine_dir``, ``sys_path`` (JSON list of site-packages directories that ``model.py``
-adds itself — the Python backend stub ignores ``PYTHONPATH``), ``mac_config`` (JSON
-``MacConfig.to_dict()``) plus ``mac_window`` / ``mac_band`` / ``mac_tau`` / ``mac_enabled``
-for reading, ``max_batch_size``, ``block_size``, ``device``, ``torch_num_threads``,
-``tensor_parallel_size`` (ranks the model is sharded over, ``runtime/tensor_parallel.py``); optionally
-``completion`` (JSON of ``completion_setup.completion_options_to_json``: retrieval-completion instead of
-MAC, e.g. with ``kv_offload="host"`` and a prefix store).
+Parameters (``config.pbtxt``, written now and read by ``model.py`` at load time): ``engine_args``
+(``EngineArgs.to_json()``: the engine the model runs — the same options as ``LLM(...)`` and ``macattn
+serve``; ``model`` is the engine's ``hf/``, ``mac`` its MAC config unless given), ``sys_path`` (JSON list of
+site-packages directories that ``model.py`` adds itself — the Python backend stub ignores ``PYTHONPATH``),
+``torch_num_threads``.
 """
 from __future__ import annotations
 
@@ -46,8 +43,9 @@ import site
 import sys
 from pathlib import Path
 
-from macattn.methods.mac.config import MacConfig
+from dataclasses import replace
 
+from macattn.runtime.engine_args import EngineArgs
 from macattn.runtime.engine_dir import read_engine_dir
 
 __all__ = ["default_sys_path", "write_model_repository"]
@@ -168,39 +166,29 @@ def _find_tokenizer(tokenizer_dir, hf_dir: Path) -> Path | None:
         else None
 
 
-def write_model_repository(engine_dir: str | Path, out: str | Path, *, name: str = "macattn",
-                           mac_config: MacConfig | None = None, max_batch_size: int = 8, block_size: int = 16,
-                           device: str = "cpu", torch_num_threads: int = 0, sys_path: list[str] | None = None,
-                           sync_model: bool = True, tokenizer_dir: str | Path | None = None,
-                           tensor_parallel_size: int = 1, completion: str | None = None) -> list[Path]:
-    """Write the repository; returns the model directories. ``mac_config`` None = the engine's.
-    ``completion``: retrieval-completion instead of MAC, as ``completion_setup.completion_options_to_json``
-    (e.g. ``kv_offload="host"`` with a prefix store; parsed here so a bad value fails now).
-    ``tokenizer_dir``: the text models' tokenizer (None: the engine's ``hf/`` when it holds one;
-    without any, only the token-id models are written)."""
+def write_model_repository(engine_dir: str | Path, out: str | Path, *, engine_args: EngineArgs | None = None,
+                           name: str = "macattn", torch_num_threads: int = 0, sys_path: list[str] | None = None,
+                           sync_model: bool = True, tokenizer_dir: str | Path | None = None) -> list[Path]:
+    """Write the repository; returns the model directories. ``engine_args``: the engine the models run
+    (``EngineArgs``; None = the defaults) — its ``model`` is set to the engine's ``hf/`` and, for MAC without a
+    ``mac`` of its own, its ``mac`` to the engine's MAC config (explicit ``mac_tau`` / ``mac_window`` /
+    ``mac_band`` still apply on top); the models read it back as the one ``engine_args`` parameter.
+    ``tokenizer_dir``: the text models' tokenizer (None: the engine's ``hf/`` when it holds one; without
+    any, only the token-id models are written)."""
     engine_dir = Path(engine_dir).resolve()
     manifest = read_engine_dir(engine_dir)          # fails early on a bad engine dir
-    mac = mac_config or manifest.mac_config
-    for label, val in (("max_batch_size", max_batch_size), ("block_size", block_size),
-                       ("tensor_parallel_size", tensor_parallel_size)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-            raise ValueError(f"{label} must be an int >= 1, got {val!r}")
+    args = engine_args or EngineArgs()
+    if not isinstance(args, EngineArgs):
+        raise TypeError(f"engine_args must be an EngineArgs, got {type(args).__name__}")
+    args = replace(args, model=str(manifest.hf_dir.resolve()),
+                   mac=manifest.mac_config.to_dict() if args.method == "mac" and args.mac is None else args.mac)
     if not name or not all(c.isalnum() or c in "_-" for c in name):
         raise ValueError(f"name must be non-empty and use only letters, digits, '_' and '-', got {name!r}")
     params = {
-        "engine_dir": str(engine_dir),
+        "engine_args": args.to_json(),
         "sys_path": json.dumps(sys_path if sys_path is not None else default_sys_path()),
-        "mac_config": json.dumps(mac.to_dict(), sort_keys=True),
-        "mac_window": str(mac.window), "mac_band": str(mac.band), "mac_tau": repr(mac.tau),
-        "mac_enabled": str(mac.enabled).lower(),
-        "max_batch_size": str(max_batch_size), "block_size": str(block_size), "device": device,
-        "torch_num_threads": str(int(torch_num_threads)), "tensor_parallel_size": str(tensor_parallel_size),
+        "torch_num_threads": str(int(torch_num_threads)),
     }
-    if completion is not None:
-        from macattn.runtime.completion_setup import completion_options_from_json
-
-        completion_options_from_json(completion)
-        params["completion"] = completion
     out = Path(out)
     src = Path(__file__).with_name("triton_model.py")
     written = []

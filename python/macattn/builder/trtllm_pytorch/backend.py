@@ -156,7 +156,7 @@ def _define(up: dict[str, object]) -> MacTrtllmClasses:  # pragma: no cover - ne
 
     from macattn.methods.mac.seeding import seed_rings_
     from macattn.methods.mac.state import MacState
-    from macattn.plugins.decode_plan import MacDecodePlan
+    from macattn.plugins.mac.decode_plan import MacDecodePlan
 
     Base = up["BaseSparseAttentionConfig"]
     KVCacheManager = up["KVCacheManager"]

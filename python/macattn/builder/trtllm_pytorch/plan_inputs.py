@@ -89,10 +89,6 @@ class BatchView:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
-    @property
-    def num_generations(self) -> int:
-        return self.num_seqs - self.num_contexts
-
     @classmethod
     def from_metadata(cls, metadata) -> "BatchView":
         """Read TensorRT-LLM's ``AttentionMetadata`` (attribute names of ``interface.py``); the block ids

@@ -14,6 +14,8 @@ from typing import Iterable, Protocol
 
 import torch
 
+from macattn.core.slot_pool import SlotStatePool
+
 __all__ = ["SlotSource", "RingSlotTable", "SlotFreeList"]
 
 
@@ -59,11 +61,6 @@ class RingSlotTable:
     def __contains__(self, rid) -> bool:
         return rid in self._slot_of
 
-    @property
-    def assigned(self) -> dict[int, int]:
-        """A copy of the current ``{request id: slot}``."""
-        return dict(self._slot_of)
-
     def assign(self, rid: int) -> int:
         rid = _request_id(rid)
         if rid in self._slot_of:
@@ -95,50 +92,16 @@ class RingSlotTable:
         return torch.tensor([self.slot(r) for r in rids], dtype=torch.int64, device=device)
 
 
-class SlotFreeList:
-    """A ring-slot pool whose per-slot states arrive later: ``num_slots`` slots, handed out by
-    ``acquire()`` and taken back by ``release(slot)``, each time calling ``reset(slot)`` on every state
-    ``attach``-ed so far (e.g. a ``MacState`` allocated at a layer's first forward, when the query head
-    count is known). A state attached while slots are in use is reset for those slots at once."""
+class SlotFreeList(SlotStatePool):
+    """A ring-slot pool whose per-slot states arrive later (``macattn.core.slot_pool.SlotStatePool``):
+    ``num_slots`` slots, handed out by ``acquire()`` and taken back by ``release(slot)``, each time calling
+    ``reset(slot)`` on every state ``attach``-ed so far (e.g. a ``MacState`` allocated at a layer's first
+    forward, when the query head count is known). A state attached while slots are in use is reset for
+    those slots at once."""
 
-    def __init__(self, num_slots: int) -> None:
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
-        self._num = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._in_use: set[int] = set()
-        self.states: list = []
+    SLOT_KIND = "ring"
 
     @property
-    def num_slots(self) -> int:
-        return self._num
-
-    @property
-    def in_use(self) -> tuple[int, ...]:
-        return tuple(sorted(self._in_use))
-
-    def attach(self, state) -> None:
-        if not callable(getattr(state, "reset", None)):
-            raise TypeError(f"state must have reset(slot), got {type(state).__name__}")
-        if getattr(state, "num_slots", self._num) != self._num:
-            raise ValueError(f"state has {state.num_slots} slots, the pool has {self._num}")
-        self.states.append(state)
-        for slot in self._in_use:
-            state.reset(slot)
-
-    def acquire(self) -> int:
-        if not self._free:
-            raise RuntimeError(f"no free ring slot: all {self._num} are in use")
-        slot = self._free.pop()
-        for state in self.states:
-            state.reset(slot)
-        self._in_use.add(slot)
-        return slot
-
-    def release(self, slot: int) -> None:
-        if slot not in self._in_use:
-            raise ValueError(f"ring slot {slot!r} is not in use")
-        for state in self.states:
-            state.reset(slot)
-        self._in_use.discard(slot)
-        self._free.append(slot)
+    def states(self) -> list:
+        """The states attached so far, in order."""
+        return self._attached

@@ -1,2 +1,2 @@
-"""A3 KV-cache fusion for RAG prompts (SPEC §4, ``docs/a3.md``): chunk K/V reused, a
+"""A3 KV-cache fusion for RAG prompts (docs/spec.md §4, ``docs/a3.md``): chunk K/V reused, a
 question-aware share of document tokens recomputed. A prefill-only method."""

@@ -1,4 +1,4 @@
-"""A3 KV fusion (SPEC §4) as an ``AttentionMethod``: it changes how a request's prompt KV is
+"""A3 KV fusion (docs/spec.md §4) as an ``AttentionMethod``: it changes how a request's prompt KV is
 built — the chunks' K/V reused from the chunk store, a question-aware share recomputed — not the
 decode, which is the engine's attention method. ``prefill_request`` runs for requests that carry
 a chunked prompt (``seq.rag = (RagPrompt, A3Config, store)``), through the executor's

@@ -1,4 +1,4 @@
-"""A3 KV fusion's settings (SPEC §4)."""
+"""A3 KV fusion's settings (docs/spec.md §4)."""
 from __future__ import annotations
 
 import enum

@@ -1,4 +1,4 @@
-"""A3 KV-cache fusion: configuration and the reference math of token selection (SPEC §4).
+"""A3 KV-cache fusion: configuration and the reference math of token selection (docs/spec.md §4).
 
 A RAG prompt is ``[system, chunk_1 … chunk_n, question]``. Each chunk's pre-RoPE keys and
 values were computed alone (positions from 0); fusion re-applies RoPE at the chunk's real

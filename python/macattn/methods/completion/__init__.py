@@ -1,1 +1,1 @@
-"""Top-k retrieval with linear-attention completion (SPEC §3, ``docs/completion.md``)."""
+"""Top-k retrieval with linear-attention completion (docs/spec.md §3, ``docs/completion.md``)."""

@@ -1,4 +1,4 @@
-"""Retrieval-completion (SPEC §3) as an ``AttentionMethod``: the request's K/V live in its
+"""Retrieval-completion (docs/spec.md §3) as an ``AttentionMethod``: the request's K/V live in its
 ``CompletionState`` rows (``capabilities.paged_kv`` is False: the engine runs the model without
 a KV cache and this method is the cache).
 

@@ -1,4 +1,4 @@
-"""Retrieval-completion's settings (SPEC §3), shared by all layers."""
+"""Retrieval-completion's settings (docs/spec.md §3), shared by all layers."""
 from __future__ import annotations
 
 import math

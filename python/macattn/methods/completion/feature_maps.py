@@ -1,4 +1,4 @@
-"""Positive feature maps of the retrieval-completion cache (SPEC §3, paper App. J) and teacher capture.
+"""Positive feature maps of the retrieval-completion cache (docs/spec.md §3, paper App. J) and teacher capture.
 
 ``FeatureMap`` holds ``H`` independent maps ``R^d -> R^F_+`` (one per head) and returns
 ``log φ(x)`` directly (positivity by ``exp``). One ReZero MLP block::

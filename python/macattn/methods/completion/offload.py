@@ -1,4 +1,4 @@
-"""Offloaded retrieval-completion decode (SPEC §3 in seed 003's own setting, issue 20 items 3–4): the prefill
+"""Offloaded retrieval-completion decode (docs/spec.md §3 in seed 003's own setting, issue 20 items 3–4): the prefill
 KV of a request lives in host memory in pages; the device keeps only what every step reads and a cache of
 hot pages, and a step fetches the pages it selects.
 
@@ -15,7 +15,7 @@ anchor_k/v[l]       ``[S, Hkv, A, d]``             device: the exact tokens in i
                                                    ``[0, s0)``, then ``[m1, seq_len)`` (tail and every
                                                    generated token); ``A = n_sink + n_tail + max_generated``
 page_lo/hi[l]       ``[S, Hkv, P, d]``             device, fp32: Quest bounds of the cache's keys
-comp_a/b/shift[l]   ``[S, Hkv, F(, d)]``           device, fp32: the completion cache (SPEC §3)
+comp_a/b/shift[l]   ``[S, Hkv, F(, d)]``           device, fp32: the completion cache (docs/spec.md §3)
 cache_k/v[l]        ``[S, Hkv, C·page, d]``        device: the hot-page cache (``C`` pages per KV head)
 cache_lpk[l]        ``[S, Hkv, C·page, F]``        device, fp32: their log φ_k rows
 slot_of_page[l]     ``[S, Hkv, P + 1]``            device int64: cache slot of each page, -1 if absent
@@ -273,12 +273,6 @@ class OffloadedKV(SlotPool):
     @property
     def budget_pages(self) -> int:
         return self.cfg.pages_for(self.cfg.top_k)
-
-    def request_bytes(self) -> dict[str, int]:
-        """``offload_bytes`` of this state's shapes."""
-        H, _, _, d = self.anchor_k[0].shape
-        return offload_bytes(self.cfg, self.off, num_layers=self.num_layers, num_kv_heads=H, head_dim=d,
-                             feature_dim=self.comp_b[0].shape[2], dtype=self.anchor_k[0].dtype)
 
     # --- per-slot state protocol -------------------------------------------------------------
     def reset(self, slot: int) -> None:

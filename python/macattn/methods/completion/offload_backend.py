@@ -8,7 +8,7 @@
 * decode: the token's K/V join the anchors, then ``OffloadedKV.decode`` (page selector, hot-page LRU,
   page gather from the host, exact + completion under one normalisation). No host synchronisation on
   CUDA: the runtime captures the whole step (``decode_capturable``);
-* persisted prefixes (``prefill_request``): with a prefix ``store`` (``macattn.runtime.kv_tiers.
+* persisted prefixes (``prefill_request``): with a prefix ``store`` (``macattn.runtime.chunk_store.
   prefix_store``: A3's chunk store with its model identity, token ids, shapes and sha256 checks), a
   request that asks to reuse its prompt's KV (``Sequence.reuse_prefix``) loads it instead of running the
   prompt through the model — only its last token runs, exactly attending over the loaded prefix — and a

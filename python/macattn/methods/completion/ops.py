@@ -1,4 +1,4 @@
-"""Retrieval-completion (SPEC §3) as two ``torch.library`` ops.
+"""Retrieval-completion (docs/spec.md §3) as two ``torch.library`` ops.
 
 * ``macattn::completion_cache(log_phi_k, v_cache, n_prefill, n_sink, n_tail) -> (comp_A, comp_b,
   comp_shift)``: the stable completion cache of every row's mid region, built once at prefill.
@@ -23,6 +23,7 @@ from macattn.core.validation import check_int
 from macattn.methods.completion.reference import (build_completion_cache_batched, page_retrieval_completion_step,
                                                   retrieval_completion_step, select_mid_pages_reference)
 from macattn.plugins import HAVE_TRITON
+from macattn.plugins.cuda_kernels import register_cuda_launchers
 from macattn.plugins.retrieval_completion.checks import (REFERENCE_FLOATS, check_completion_cache_inputs,
                                                         check_retrieval_completion_inputs, resolve_scale)
 
@@ -113,7 +114,6 @@ def register_cuda_kernels() -> tuple[str, ...]:
     without triton."""
     if not HAVE_TRITON:
         return ()
-    from macattn.methods.kernels import register_cuda_launchers
     from macattn.plugins.retrieval_completion.op import (completion_cache_triton, page_retrieval_completion_triton,
                                                         retrieval_completion_triton)
 

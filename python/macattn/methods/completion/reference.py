@@ -1,4 +1,4 @@
-"""Top-k retrieval with fixed-size linear-attention completion: the plain-torch reference (SPEC §3).
+"""Top-k retrieval with fixed-size linear-attention completion: the plain-torch reference (docs/spec.md §3).
 
 One decode step for query head ``h`` (KV head ``g = h // (Hq // Hkv)``) of a request whose
 prefill had ``N`` tokens and whose cache now holds ``L >= N`` tokens:
@@ -366,7 +366,7 @@ def hybrid_decode_step(q, k_cache, v_cache, seq_lens, n_prefill, *, n_sink: int,
 
 
 def _merge_one_normalisation(le: torch.Tensor, vv: torch.Tensor, completion=None):
-    """SPEC §3's one normalisation for the ``H`` query heads of one row (fp64): exact logits ``le [H, n]``
+    """docs/spec.md §3's one normalisation for the ``H`` query heads of one row (fp64): exact logits ``le [H, n]``
     (``-inf`` off the exact set) over values ``vv [H, n, d]``; ``completion`` None or ``(log_phi_q [H, F],
     lpk_sel [H, k, F] (-inf rows: not retrieved), v_sel [H, k, d], comp_A [H, F, d], comp_b [H, F],
     comp_shift [H, F])``: the cache minus the retrieved tokens (``subtract_retrieved``). Returns

@@ -1,4 +1,4 @@
-"""MAC as an ``AttentionMethod`` (SPEC §1): prefill runs the model's attention and seeds the
+"""MAC as an ``AttentionMethod`` (docs/spec.md §1): prefill runs the model's attention and seeds the
 rings; decode matches the pre-RoPE query against the ring, reuses the matched step's rectified
 summary and recomputes band + tail (``torch.ops.macattn.mac_match`` / ``mac_attend``: the
 Triton kernels on CUDA once ``macattn.methods.kernels.register_kernels()`` ran, the reference
@@ -80,12 +80,13 @@ class MacAttention(AttentionMethod):
 
     @classmethod
     def default_config(cls) -> MacConfig:
-        """MAC disabled: every step runs full attention through MAC's ops (the engine's ``mac_config=None``)."""
-        return MacConfig(enabled=False)
+        """MAC with its defaults (the engine's ``mac_config=None``, one meaning on every surface: ``EngineArgs``);
+        ``MacConfig(enabled=False)`` runs full attention through MAC's ops."""
+        return MacConfig()
 
     @classmethod
     def engine_config(cls, config: MacConfig | None = None) -> MacConfig:
-        """``config`` (None: disabled), refused with ``ValueError`` when a layer asks for a miss policy or a
+        """``config`` (None: the defaults), refused with ``ValueError`` when a layer asks for a miss policy or a
         match the engine does not run (``MacConfig.require_engine_support``)."""
         config = super().engine_config(config)
         config.require_engine_support("ModelRunner")

@@ -1,4 +1,4 @@
-"""Frozen, validated configuration for MAC-Attention (SPEC §1).
+"""Frozen, validated configuration for MAC-Attention (docs/spec.md §1).
 
 ``MacConfig`` holds the global defaults (window ``K``, band ``r``, threshold ``tau``)
 and optional per-layer overrides; ``MacConfig.for_layer(i)`` resolves the values one
@@ -39,7 +39,7 @@ class LayerMacParams:
     enabled: False makes every step a miss (ordinary full attention).
     miss_policy: what a miss computes: ``"full"`` (full attention over ``[0, m]``, the
     paper) or ``"completion"`` (Top-k retrieval + linear-attention completion of the
-    prefill's mid region, SPEC §3; see ``macattn.methods.mac.completion_on_miss``). Only the CPU
+    prefill's mid region, docs/spec.md §3; see ``macattn.methods.completion.completion_on_miss``). Only the CPU
     reference step and ``macattn eval`` / ``macattn tune`` honour ``"completion"``; the
     runtime and ``macattn build`` reject it (``MacConfig.require_engine_support``).
     match:  ``"exact"`` (the nearest ring entry by bf16 L2 distance, the paper) or ``"two_stage"``: the

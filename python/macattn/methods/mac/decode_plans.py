@@ -1,7 +1,7 @@
 """MAC's decode plans of one batch bucket of the runtime's GPU decode (``MacAttention.decode_plans``,
 read by ``MacAttention.decode`` as ``StepContext.paged``).
 
-One ``MacDecodePlan`` (``plugins/decode_plan.py``) per distinct layer configuration (``plan_key``: window,
+One ``MacDecodePlan`` (``plugins/mac/decode_plan.py``) per distinct layer configuration (``plan_key``: window,
 band, tau, match; layers sharing one share the plan and its scratch): a MAC layer's step is match,
 device-side plan, split-KV attention over the pages, merge + ring append (``attend``); a layer with MAC
 off runs the same plan's full-attention path. Each MAC layer's ``match_pos`` ``[nb, Hq]`` int64 (-1 a

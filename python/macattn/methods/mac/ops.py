@@ -15,6 +15,7 @@ import torch
 
 from macattn.methods.mac.reference import mac_attend_reference, mac_match_reference, ring_append_reference
 from macattn.plugins import HAVE_TRITON
+from macattn.plugins.cuda_kernels import register_cuda_launchers
 
 __all__ = ["mac_match", "mac_attend", "register_cuda_kernels"]
 
@@ -57,8 +58,7 @@ def register_cuda_kernels() -> tuple[str, ...]:
     names; ``()`` without triton."""
     if not HAVE_TRITON:
         return ()
-    from macattn.methods.kernels import register_cuda_launchers
-    from macattn.plugins.mac_attend.op import MacAttendLauncher
-    from macattn.plugins.mac_match.op import MacMatchLauncher
+    from macattn.plugins.mac.attend_op import MacAttendLauncher
+    from macattn.plugins.mac.match_op import MacMatchLauncher
 
     return register_cuda_launchers({"macattn::mac_match": MacMatchLauncher, "macattn::mac_attend": MacAttendLauncher})

@@ -1,4 +1,4 @@
-"""MAC-Attention reference decode step (SPEC §1), plain torch, fp32/fp64.
+"""MAC-Attention reference decode step (docs/spec.md §1), plain torch, fp32/fp64.
 
 This is the ground truth the Triton kernels, the ONNX nodes and the TensorRT plugins are
 tested against. It computes exactly the function the kernels compute, not fast: it reads
@@ -197,7 +197,7 @@ def mac_decode_step_reference(q: torch.Tensor, q_pre: torch.Tensor, k: torch.Ten
     match ``"two_stage"``: ``mac_match_two_stage_reference`` with ``match_sketch`` / ``match_candidates``.
 
     miss_policy ``"completion"``: heads that miss take their output and ring entry from
-    ``completion.amend_misses`` (a ``macattn.methods.mac.completion_on_miss.CompletionOnMiss`` built at
+    ``completion.amend_misses`` (a ``macattn.methods.completion.completion_on_miss.CompletionOnMiss`` built at
     prefill) instead of full attention; hits are unchanged.
     """
     if miss_policy not in ("full", "completion"):
@@ -226,7 +226,7 @@ def mac_decode_step_reference(q: torch.Tensor, q_pre: torch.Tensor, k: torch.Ten
 def rectified_summaries_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   query_positions: torch.Tensor, *, band: int,
                                   scale: float | None = None, chunk: int = 256) -> AttentionSummary:
-    """Ring seeding (SPEC §1.4): the prefill attention with the causal limit moved back by ``band``.
+    """Ring seeding (docs/spec.md §1.4): the prefill attention with the causal limit moved back by ``band``.
 
     q: ``[B, Hq, n, d]`` post-RoPE queries at ``query_positions`` ``[n]`` (shared by the
     batch); k, v: ``[B, Hkv, L, d]``. Returns ``AS^{(t)}_{[0, t - band]}`` per query:

@@ -1,4 +1,4 @@
-"""Ring seeding after prefill (SPEC §1.4) written with traceable tensor ops only.
+"""Ring seeding after prefill (docs/spec.md §1.4) written with traceable tensor ops only.
 
 ``MacState.seed`` (the eager path) loops over requests in Python; this module computes
 the same ring contents as whole ring rows so ``torch.export`` / ONNX see one static
@@ -39,7 +39,7 @@ def tail_summaries(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    scale: float) -> AttentionSummary:
     """Rectified summaries of the last ``n`` positions of a sequence of ``S``: ``query [B, Hq, n, d]``
     (post-RoPE) at positions ``t = S - n .. S - 1`` of ``key / value [B, Hkv, S, d]``; entry ``t`` is
-    ``AS^{(t)}_{[0, t - band]}`` (SPEC §1.4), empty (``o = 0``, ``lse = -inf``) where ``t - band < 0``.
+    ``AS^{(t)}_{[0, t - band]}`` (docs/spec.md §1.4), empty (``o = 0``, ``lse = -inf``) where ``t - band < 0``.
     Returns o ``[B, Hq, n, d]`` fp32, lse ``[B, Hq, n]`` fp32 (fp64 for fp64 inputs).
 
     On CUDA (``fused_seeding_applies``) this is one flash-attention call with its log-sum-exp: the

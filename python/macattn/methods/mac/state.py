@@ -41,7 +41,7 @@ __all__ = ["MacState", "MacDiagnostics"]
 
 @dataclass
 class MacDiagnostics:
-    """Accumulators (SPEC §1.5), fp64 on the state's device, updated without any host
+    """Accumulators (docs/spec.md §1.5), fp64 on the state's device, updated without any host
     synchronisation (a reader's ``.tolist()`` / ``float()`` is where the host waits):
 
     per layer × query head ``[L, Hq]``: ``steps``, ``hits``, ``skipped`` (sum of ``(p - r)_+ / m``
@@ -185,6 +185,17 @@ class MacState(SlotPool):
             if sr is not None:
                 sr[slot].zero_()
         self.diagnostics.per_slot[slot].zero_()
+
+    def copy(self, src: int, dst: int) -> None:
+        """Copy every ring row (and the per-request diagnostics) of ``src`` into ``dst`` in every layer: a fork
+        of the request in ``src`` continues from its rings (``runtime.slots.SlotStates.copy``)."""
+        self._check_slot(src)
+        self._check_slot(dst)
+        for rings in (self.qring, self.oring, self.ring_lse, self.ring_pos, self.sring):
+            for t in rings:
+                if t is not None:
+                    t[dst].copy_(t[src])
+        self.diagnostics.per_slot[dst].copy_(self.diagnostics.per_slot[src])
 
     def sketch_rows_(self, layer: int, slots: torch.Tensor) -> None:
         """Recompute ``sring[layer]`` rows ``slots [n]`` from ``qring`` (after the traceable seeding);

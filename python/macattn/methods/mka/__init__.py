@@ -1,1 +1,1 @@
-"""FastMKA: route-fused memory-keyed attention (SPEC §2); composes with an attention method."""
+"""FastMKA: route-fused memory-keyed attention (docs/spec.md §2); composes with an attention method."""

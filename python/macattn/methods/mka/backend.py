@@ -1,4 +1,4 @@
-"""FastMKA (SPEC §2) as an ``AttentionMethod`` that composes with the engine's attention method:
+"""FastMKA (docs/spec.md §2) as an ``AttentionMethod`` that composes with the engine's attention method:
 the route-fused memory (``macattn.models.mka.patch_mka``, trained router weights) replaces the
 K/V projections' input, and the attention itself is the other method's. What it owns in the
 engine is the per-request session summary ``L2_t`` (``MkaState``), registered with the slot

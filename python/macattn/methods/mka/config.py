@@ -1,4 +1,4 @@
-"""FastMKA's settings (SPEC §2), the same for every layer."""
+"""FastMKA's settings (docs/spec.md §2), the same for every layer."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,7 +1,7 @@
 """``macattn::route_fused_attention``: one FastMKA decode step as a ``torch.library`` op.
 
 Fuses routing (MLP -> softmax -> gate), the L2 session-summary update and the K/V
-projection of the fused memory (SPEC §2, L3 off). The caller applies RoPE to ``k``, appends
+projection of the fused memory (docs/spec.md §2, L3 off). The caller applies RoPE to ``k``, appends
 ``k``/``v`` to its KV cache and runs ordinary attention. The reference
 (``macattn.methods.mka.reference.route_fused_decode_reference``, fp32) is the implementation on every device
 without a faster one; ``register_cuda_kernels`` registers the Triton kernels for CUDA.
@@ -16,6 +16,7 @@ import torch
 
 from macattn.methods.mka.reference import route_fused_decode_reference
 from macattn.plugins import HAVE_TRITON
+from macattn.plugins.cuda_kernels import register_cuda_launchers
 from macattn.plugins.route_fused.checks import check_route_fused_inputs
 
 __all__ = ["route_fused_attention", "register_cuda_kernels"]
@@ -51,7 +52,6 @@ def register_cuda_kernels() -> tuple[str, ...]:
     ``macattn.methods.kernels.register_kernels``). Returns the op name; ``()`` without triton."""
     if not HAVE_TRITON:
         return ()
-    from macattn.methods.kernels import register_cuda_launchers
     from macattn.plugins.route_fused.op import route_fused_attention_triton
 
     return register_cuda_launchers({"macattn::route_fused_attention": lambda: route_fused_attention_triton})

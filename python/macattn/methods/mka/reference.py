@@ -1,4 +1,4 @@
-"""Memory-keyed attention (MKA) and route-fused FastMKA (SPEC §2): reference math and modules.
+"""Memory-keyed attention (MKA) and route-fused FastMKA (docs/spec.md §2): reference math and modules.
 
 Per layer and token ``t`` with attention input ``x_t`` (the normed hidden state, ``[D]``) and
 pre-RoPE query ``q_t = x_t W_q`` (``[Dq]``):

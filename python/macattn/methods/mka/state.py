@@ -66,6 +66,14 @@ class MkaState(SlotPool):
             m[slot].zero_()
             c[slot] = 0
 
+    def copy(self, src: int, dst: int) -> None:
+        """Copy ``src``'s summaries into ``dst`` in every layer (a fork continues from them)."""
+        self._check_slot(src)
+        self._check_slot(dst)
+        for m, c in zip(self.mean, self.count):
+            m[dst].copy_(m[src])
+            c[dst] = c[src]
+
     def seed(self, layer: int, slot: int, mean: torch.Tensor, count: int) -> None:
         """Set ``slot``'s state of ``layer`` after a prefill: ``mean [D]`` and ``count`` tokens."""
         self._check_slot(slot)

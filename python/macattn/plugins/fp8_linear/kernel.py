@@ -1,6 +1,6 @@
 """The FP8 weight-only GEMV: ``out [M, N] = (x [M, K] @ wq [N, K]^T) * scale [N] (+ bias [N])``, M <= 16.
 
-One kernel, ``_fp8_gemv``, grid ``(cdiv(N, BLOCK_N),)``: program ``p`` owns the weight rows
+One kernel, ``fp8_gemv``, grid ``(cdiv(N, BLOCK_N),)``: program ``p`` owns the weight rows
 ``[p*BLOCK_N, (p+1)*BLOCK_N)`` and streams them once over K, ``BLOCK_K`` FP8 bytes per row per step
 (16-byte vector loads when K % 16 == 0). Decode is bound by these bytes, so ``BLOCK_N`` is small
 (4-32 rows: N = 4096 gives 128-1024 programs for the 132 SMs). The rows of x (re-read from L2 by
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-__all__ = ["launch_fp8_gemv", "MMA_ROWS"]
+__all__ = ["launch_fp8_gemv", "fp8_gemv", "MMA_ROWS"]
 
 MMA_ROWS = 16    # BLOCK_M of the tensor-core variant: tl.dot's smallest tile side
 
@@ -63,7 +63,7 @@ def _prune(configs, named_args, **meta):
                  prune_configs_by={"early_config_prune": _prune},
                  do_bench=functools.partial(do_bench, warmup=5, rep=20))
 @triton.jit(do_not_specialize=["M", "N"])
-def _fp8_gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm,
+def fp8_gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm,
               HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,6 +113,6 @@ def launch_fp8_gemv(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias
     meta = dict(HAS_BIAS=bias is not None, DOT_F32=interpret or x.dtype == torch.float32, BLOCK_M=block_m)
     if interpret:
         config = _fitting(block_m, N, K)[0]
-        _fp8_gemv.fn[(triton.cdiv(N, config.kwargs["BLOCK_N"]),)](*args, **meta, **config.kwargs)
+        fp8_gemv.fn[(triton.cdiv(N, config.kwargs["BLOCK_N"]),)](*args, **meta, **config.kwargs)
     else:
-        _fp8_gemv[lambda m: (triton.cdiv(N, m["BLOCK_N"]),)](*args, **meta)
+        fp8_gemv[lambda m: (triton.cdiv(N, m["BLOCK_N"]),)](*args, **meta)

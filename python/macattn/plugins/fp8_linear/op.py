@@ -10,7 +10,7 @@ from .checks import check_fp8_linear
 from .reference import dequantize_fp8_weight
 
 if HAVE_TRITON:
-    from .._triton_util import interpreting
+    from ..triton_util import interpreting
     from .kernel import launch_fp8_gemv
 
 __all__ = ["fp8_linear", "MAX_GEMV_ROWS"]

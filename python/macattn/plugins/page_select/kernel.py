@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_util import check_cuda_or_interp, next_pow2
+from ..triton_util import check_cuda_or_interp, next_pow2
 
 __all__ = ["launch_select_pages", "check_select_inputs", "ONE_BLOCK_MAX"]
 

@@ -1,4 +1,4 @@
-"""Triton kernels of retrieval-completion (SPEC §3); the math is ``macattn.methods.completion.reference``'s.
+"""Triton kernels of retrieval-completion (docs/spec.md §3); the math is ``macattn.methods.completion.reference``'s.
 
 Per-row ranges (``N = n_prefill[b]``, ``L = seq_lens[b]``): mid ``[s0, m1)`` with
 ``s0 = min(n_sink, N)``, ``m1 = max(s0, N - n_tail)``; exact anchors ``[0, s0) ∪ [m1, L)``.
@@ -20,12 +20,12 @@ Per-row ranges (``N = n_prefill[b]``, ``L = seq_lens[b]``): mid ``[s0, m1)`` wit
   the offloaded decode's device rows); retrieved tokens read from the cache at their positions, or
   from a buffer of their own at the rows ``rows_ptr`` gives (``RET_ROWS``: the offloaded decode's
   hot-page cache).
-* ``_decode_partial_pages``: grid ``(B, Hkv, S)``. The page selector's tail on a GPU-resident cache:
+* ``decode_partial_pages``: grid ``(B, Hkv, S)``. The page selector's tail on a GPU-resident cache:
   one program takes a KV head's ``GROUP`` query heads together (each key and value row read once per
   group; ``q Kᵀ`` and ``P V`` by ``tl.dot``) over the anchors and the tokens of the KV head's selected
   pages (``pages [B, Hkv, NP]``, positions computed in the kernel), and the subtraction partials once
   per KV head (the pages, and so the subtracted tokens, are the group's).
-* ``_decode_merge``: grid ``(B, Hq)``. Merges the ``S`` partials (subtraction partials per query head,
+* ``decode_merge``: grid ``(B, Hq)``. Merges the ``S`` partials (subtraction partials per query head,
   or per KV head with ``SUB_KV``; ``UNROLL`` of them loaded at a time), subtracts from the cache with the
   clamp, adds the completion weights ``exp(a_f + log b'_f - m)`` and normalises once. The
   completion term is skipped when the retrieved set covers the mid (``_use_completion``; the step
@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ..triton_softmax import online_softmax_update
 
-__all__ = ["_completion_cache", "_mid_logits", "_decode_partial", "_decode_partial_pages", "_decode_merge",
+__all__ = ["_completion_cache", "_mid_logits", "_decode_partial", "decode_partial_pages", "decode_merge",
            "_use_completion"]
 
 
@@ -215,7 +215,7 @@ def _decode_partial(q_ptr, k_ptr, v_ptr, sl_ptr, npf_ptr, kr_ptr, vr_ptr, lpk_pt
 
 
 @triton.jit
-def _decode_partial_pages(q_ptr, k_ptr, v_ptr, sl_ptr, npf_ptr, lpk_ptr, shift_ptr, pages_ptr,
+def decode_partial_pages(q_ptr, k_ptr, v_ptr, sl_ptr, npf_ptr, lpk_ptr, shift_ptr, pages_ptr,
                           pm_ptr, pl_ptr, pacc_ptr, psb_ptr, psa_ptr,
                           s_kb, s_kh, s_kt, s_lb, s_lh, s_lt, s_pb, s_ph,
                           HQ, HKV, D, F, NP, n_sink, n_tail, scale,
@@ -289,7 +289,7 @@ def _decode_partial_pages(q_ptr, k_ptr, v_ptr, sl_ptr, npf_ptr, lpk_ptr, shift_p
 
 
 @triton.jit
-def _decode_merge(npf_ptr, lpq_ptr, a_ptr, b_ptr, shift_ptr, pm_ptr, pl_ptr, pacc_ptr, psb_ptr, psa_ptr, out_ptr,
+def decode_merge(npf_ptr, lpq_ptr, a_ptr, b_ptr, shift_ptr, pm_ptr, pl_ptr, pacc_ptr, psb_ptr, psa_ptr, out_ptr,
                   HQ, HKV, D, F, n_sink, n_tail, top_k, N_SPLIT,
                   GROUP: tl.constexpr, PAGE: tl.constexpr, D_P: tl.constexpr, F_P: tl.constexpr,
                   S_P: tl.constexpr, SUB_KV: tl.constexpr = False, UNROLL: tl.constexpr = 1):

@@ -4,10 +4,10 @@
 
 A decode step is four launches and no host sync (CUDA-graph capturable): ``_mid_logits``,
 ``torch.topk`` over them (``k = min(top_k, T)``, one row per query head), ``_decode_partial``
-(split-K over anchors + retrieved tokens, one program per query head) and ``_decode_merge``: the tail
+(split-K over anchors + retrieved tokens, one program per query head) and ``decode_merge``: the tail
 ``decode_retrieved_triton``, which the offloaded decode shares over its hot-page cache. The page variant
 (``page_retrieval_completion_triton``) selects pages with ``macattn.plugins.page_select`` (two launches)
-and ends in ``decode_pages_triton``: ``_decode_partial_pages`` (one program per KV head's query group over
+and ends in ``decode_pages_triton``: ``decode_partial_pages`` (one program per KV head's query group over
 its pages) and the same merge.
 Values of ``seq_lens`` / ``n_prefill`` are not range-checked here (that would sync).
 """
@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 import triton
 
-from .._triton_util import interpreting, num_sms
+from ..triton_util import interpreting, num_sms
 from ..aot import destination
 from macattn.core.validation import check_int
 
 from ..page_select.op import select_pages
 from .checks import check_completion_cache_inputs, check_retrieval_completion_inputs, resolve_scale
-from .kernel import _completion_cache, _decode_merge, _decode_partial, _decode_partial_pages, _mid_logits
+from .kernel import _completion_cache, decode_merge, _decode_partial, decode_partial_pages, _mid_logits
 
 __all__ = ["completion_cache_triton", "retrieval_completion_triton", "mid_topk_triton", "page_retrieval_completion_triton",
            "decode_retrieved_triton", "decode_pages_triton", "select_mid_pages", "page_positions"]
@@ -33,7 +33,7 @@ _alloc = torch.empty   # the tests swap in a NaN-filling allocator to check ever
 # each program gathers BLOCK_K rows per iteration; splits per (request, query head) are chosen so the
 # grid covers about WAVES x the SMs, with at least MIN_ITEMS items per split
 DECODE_LAUNCH = dict(BLOCK_K=32, num_warps=8, WAVES=2, MIN_ITEMS=128)
-# ``_decode_partial_pages`` (one program per KV head's query group): BLOCK_K rows per ``tl.dot``; its merge
+# ``decode_partial_pages`` (one program per KV head's query group): BLOCK_K rows per ``tl.dot``; its merge
 # loads MERGE_UNROLL splits' subtraction partials at a time with MERGE_WARPS warps. Chosen by
 # ``bench_offload.py --sweep`` on an H100 (1 x 128K, 2 %: 42 us; 64 x 4 warps with one split at a time: 104)
 PAGES_LAUNCH = dict(BLOCK_K=64, num_warps=8, WAVES=2, MIN_ITEMS=128, MERGE_UNROLL=4, MERGE_WARPS=8)
@@ -63,9 +63,9 @@ def _split_partials(B: int, Hq: int, sub_heads: int, n_split: int, d: int, F: in
 
 def _merge(out, n_prefill, lpq, comp_A, comp_b, comp_shift, partials, Hq: int, Hkv: int, d: int, F: int,
            n_sink: int, n_tail: int, top_k: int, page_size: int, n_split: int, **launch) -> torch.Tensor:
-    """``_decode_merge`` over ``partials`` (``_split_partials``) into ``out``; ``launch``: ``SUB_KV``,
+    """``decode_merge`` over ``partials`` (``_split_partials``) into ``out``; ``launch``: ``SUB_KV``,
     ``UNROLL``, ``num_warps`` where they differ from its defaults."""
-    _decode_merge[(out.shape[0], Hq)](n_prefill, lpq, comp_A, comp_b, comp_shift, *partials, out, Hq, Hkv, d, F,
+    decode_merge[(out.shape[0], Hq)](n_prefill, lpq, comp_A, comp_b, comp_shift, *partials, out, Hq, Hkv, d, F,
                                       int(n_sink), int(n_tail), int(top_k), n_split, GROUP=Hq // Hkv,
                                       PAGE=int(page_size), D_P=_pow2(d), F_P=_pow2(F), S_P=_pow2(n_split, 2),
                                       **{"num_warps": 4, **launch})
@@ -193,7 +193,7 @@ def page_retrieval_completion_triton(q, k_cache, v_cache, seq_lens, n_prefill, l
 def decode_pages_triton(q, k, v, seq_lens, n_prefill, log_phi_q, log_phi_k, comp_A, comp_b, comp_shift,
                         pages, *, n_sink: int, n_tail: int, page_size: int, scale: float,
                         out: torch.Tensor) -> torch.Tensor:
-    """The GPU-resident page step's tail (``_decode_partial_pages`` + ``_decode_merge``): exact attention over
+    """The GPU-resident page step's tail (``decode_partial_pages`` + ``decode_merge``): exact attention over
     the anchors and every token of ``pages [B, Hkv, NP]`` (int64 absolute page indices, ``-1`` padding;
     tokens outside the row's mid skipped), the completion of the rest, one normalisation. ``k / v
     [B, Hkv, T, d]`` one dtype and strides, ``log_phi_k [B, Hkv, T, F]`` fp32; the others as
@@ -209,7 +209,7 @@ def decode_pages_triton(q, k, v, seq_lens, n_prefill, log_phi_q, log_phi_k, comp
     NP = pages.shape[2]
     n_split = num_splits(B * Hkv, NP * page_size + n_sink + n_tail, dev, PAGES_LAUNCH)
     parts = _split_partials(B, Hq, Hkv, n_split, d, F, dev)           # subtraction partials per KV head
-    _decode_partial_pages[(B, Hkv, n_split)](
+    decode_partial_pages[(B, Hkv, n_split)](
         q, k, v, seq_lens, n_prefill, lpk, comp_shift, pages, *parts, *k.stride()[:3],
         *lpk.stride()[:3], *pages.stride()[:2], Hq, Hkv, d, F, NP, int(n_sink), int(n_tail), scale, GROUP=group,
         G_P=_pow2(group), PAGE=int(page_size), PRECISION="ieee" if _ieee_dot(q) else "tf32", D_P=_pow2(d),
@@ -233,7 +233,7 @@ def decode_retrieved_triton(q, k, v, seq_lens, n_prefill, log_phi_q, comp_A, com
                             out: torch.Tensor) -> torch.Tensor:
     """The tail every selector shares: split-K exact attention over the anchors and the retrieved tokens,
     the clamped subtraction of the retrieved tokens from the completion cache and one normalisation
-    (``_decode_partial`` + ``_decode_merge``). Shapes (``B`` rows, ``Hq`` / ``Hkv`` heads, ``d``, ``F``):
+    (``_decode_partial`` + ``decode_merge``). Shapes (``B`` rows, ``Hq`` / ``Hkv`` heads, ``d``, ``F``):
 
     * ``q [B, Hq, d]``; ``k / v [B, Hkv, T, d]`` the anchors: at their positions (``T`` >= every row's
       ``seq_lens``) or, with ``anchors_compact``, in item order (sinks ``[0, s0)`` then ``[m1, L)`` at rows

@@ -1,4 +1,0 @@
-"""``macattn::mac_match``: Triton kernels (``kernel.py``) and the CUDA op implementation (``op.py``).
-
-Importing this package needs nothing beyond torch; ``kernel``/``op`` need triton.
-"""

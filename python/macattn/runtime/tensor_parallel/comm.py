@@ -1,0 +1,117 @@
+"""The wire of a tensor-parallel group: the gloo **control channel** (pickled objects: rank 0's step
+broadcast, shards sent to one rank, results gathered from all), the **model group's collectives**
+(``macattn.models.tensor_parallel.Collectives`` over gloo or NCCL), how every rank opens both process
+groups, and the exit codes the ranks agree on (package doc)."""
+from __future__ import annotations
+
+import datetime
+import pickle
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ProcessGroupCollectives", "ControlChannel", "process_groups", "abort_quietly", "EXIT_OWN_ERROR",
+           "EXIT_PEER_GONE"]
+
+_CONTROL_IDLE = datetime.timedelta(days=365)   # a worker waits for the next step as long as rank 0 lives
+_INLINE = 8192                                 # control message bytes sent in the first broadcast
+EXIT_OWN_ERROR = 1                             # a worker's own op raised
+EXIT_PEER_GONE = 3                             # a worker lost a peer (its collective failed)
+
+
+class ProcessGroupCollectives:
+    """``macattn.models.tensor_parallel.Collectives`` over one process-group backend (gloo / NCCL)."""
+
+    def __init__(self, pg, rank: int, size: int) -> None:
+        self.pg, self.rank, self.size = pg, rank, size
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self.pg.allreduce([t]).wait()
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.shape[-1]
+        flat = t.reshape(-1, n)
+        out = torch.empty(self.size * flat.shape[0], n, dtype=t.dtype, device=t.device)
+        self.pg._allgather_base(out, flat).wait()
+        return out.view(self.size, -1, n).permute(1, 0, 2).reshape(*t.shape[:-1], self.size * n)
+
+
+class ControlChannel:
+    """Pickled objects over the gloo control group: rank 0 broadcasts, sends shards, gathers results."""
+
+    def __init__(self, pg, rank: int, size: int) -> None:
+        self.pg, self.rank, self.size = pg, rank, size
+
+    @staticmethod
+    def _encode(obj) -> torch.Tensor:
+        return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+
+    def broadcast(self, obj=None):
+        """Rank 0's ``obj`` on every rank (the others pass nothing): one broadcast of ``_INLINE`` bytes
+        (length + payload) when the pickle fits, the rest in a second one (a prompt's first step)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        head = torch.zeros(8 + _INLINE, dtype=torch.uint8)
+        if self.rank == 0:
+            data = self._encode(obj)
+            n = data.numel()
+            head[:8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
+            head[8:8 + min(n, _INLINE)] = data[:_INLINE]
+        self.pg.broadcast([head], opts).wait()
+        n = int(head[:8].view(torch.int64))
+        if n > _INLINE:
+            rest = data[_INLINE:].clone() if self.rank == 0 else torch.empty(n - _INLINE, dtype=torch.uint8)
+            self.pg.broadcast([rest], opts).wait()
+        if self.rank == 0:
+            return obj
+        payload = head[8:8 + n].numpy().tobytes() + (rest.numpy().tobytes() if n > _INLINE else b"")
+        return pickle.loads(payload)
+
+    def send(self, obj, dst: int) -> None:
+        data = self._encode(obj)
+        self.pg.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, 0).wait()
+        self.pg.send([data], dst, 1).wait()
+
+    def recv(self, src: int = 0):
+        n = torch.zeros(1, dtype=torch.int64)
+        self.pg.recv([n], src, 0).wait()
+        data = torch.empty(int(n), dtype=torch.uint8)
+        self.pg.recv([data], src, 1).wait()
+        return pickle.loads(data.numpy().tobytes())
+
+    def gather(self, obj) -> list:
+        """Every rank's ``obj``, in rank order (on every rank)."""
+        data = self._encode(obj)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self.pg.allgather([sizes], [torch.tensor([data.numel()], dtype=torch.int64)]).wait()
+        width = max(int(s) for s in sizes)
+        padded = torch.zeros(width, dtype=torch.uint8)
+        padded[:data.numel()] = data
+        outs = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
+        self.pg.allgather([outs], [padded]).wait()
+        return [pickle.loads(o[:int(s)].numpy().tobytes()) for o, s in zip(outs, sizes)]
+
+
+def process_groups(store, rank: int, size: int, backend: str, timeout_s: float):
+    """``(control, model)`` backends: gloo for the control group (idle waits last as long as rank 0
+    lives), ``backend`` for the model group with ``timeout_s`` per collective."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    ctl = dist.ProcessGroupGloo(dist.PrefixStore("ctl", store), rank, size, timeout)
+    ctl.set_timeout(_CONTROL_IDLE)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+        opts._timeout = timeout
+        model = dist.ProcessGroupNCCL(dist.PrefixStore("model", store), rank, size, opts)
+    else:
+        model = dist.ProcessGroupGloo(dist.PrefixStore("model", store), rank, size, timeout)
+    return ctl, model
+
+
+def abort_quietly(part) -> None:
+    """Abort ``part``'s process group (a ``ControlChannel`` or ``ProcessGroupCollectives``), ignoring errors."""
+    try:
+        part.pg.abort()
+    except Exception:
+        pass
