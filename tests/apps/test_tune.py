@@ -197,8 +197,8 @@ def test_a_tuned_file_reaches_the_openai_server_and_the_llm_api(tmp_path):
     kw = {k: v for k, v in vars(_engine_args(args)).items() if k != "model"}
     with LLM("builtin", **kw) as llm:
         assert llm.engine.method.config == cfg
-        out = llm.generate([5, 6, 7, 8] * 20)
+        [out] = llm.generate([5, 6, 7, 8] * 20)
         assert out.outputs[0].token_ids
     bad = build_parser().parse_args(["serve", "--model", "builtin", "--no-mac", "--per-layer", "x.json"])
-    with pytest.raises(ValueError, match="at most one of --no-mac and --per-layer"):
-        _llm_kwargs(bad)
+    with pytest.raises(ValueError, match="at most one of --no-mac and --mac / --per-layer"):
+        _engine_args(bad)

@@ -350,15 +350,15 @@ def plot_frontier(report: dict, path: str | Path) -> Path:
 
 
 def _cmd_tune(args) -> int:
-    from macattn.evaluation.harness import _csv, load_eval_model
+    from macattn.evaluation.harness import load_eval_model, parse_csv
 
     if args.threads:
         torch.set_num_threads(args.threads)
     budget = args.error_budget
-    settings = TuneSettings(taus=_csv(args.taus, float), windows=_csv(args.windows, int),
-                            bands=_csv(args.bands, int),
+    settings = TuneSettings(taus=parse_csv(args.taus, float), windows=parse_csv(args.windows, int),
+                            bands=parse_csv(args.bands, int),
                             error_budget=None if budget in (None, "default") else float(budget),
-                            lengths=_csv(args.lengths, int), n=args.n, gen=args.gen, seed=args.seed,
+                            lengths=parse_csv(args.lengths, int), n=args.n, gen=args.gen, seed=args.seed,
                             min_agreement=args.min_agreement, thresholds=args.thresholds, levels=args.levels,
                             verify=args.verify)
     base = MacConfig(window=args.window, band=args.band, tau=args.tau)

@@ -82,6 +82,14 @@ class RaggedPrefill:
         self.segments = tuple(segments)
         self.k_pool, self.v_pool = k_pool, v_pool
         self.num_tokens = segments[-1].offset + segments[-1].length
+        self._slot_rows: dict = {}
+
+    def slot_row(self, i: int, device: torch.device) -> torch.Tensor:
+        """Segment ``i``'s state slot as a ``[1]`` int64 tensor on ``device`` (made once per call, not per layer)."""
+        rows = self._slot_rows.get(device)
+        if rows is None:
+            rows = self._slot_rows[device] = torch.tensor(self.slots, dtype=torch.int64, device=device)
+        return rows[i: i + 1]
 
     @property
     def slots(self) -> list[int]:

@@ -348,7 +348,6 @@ def parse_csv(s: str, typ) -> tuple:
     return tuple(typ(x) for x in s.split(",") if x.strip())
 
 
-_csv = parse_csv   # the name apps/tune.py imports
 
 
 def _cmd_long_gen(args) -> int:

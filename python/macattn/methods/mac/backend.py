@@ -158,8 +158,8 @@ class MacAttention(AttentionMethod):
             for i, seg in enumerate(step.prefill.segments):
                 part = slice(seg.offset, seg.offset + seg.length)
                 k, v = step.prefill.segment_kv(layer, i, key, value)
-                self._seed(layer, torch.tensor([seg.slot], dtype=torch.int64, device=query.device), params,
-                           query[:, :, part], q_pre[:, :, part], k, v, scale)
+                self._seed(layer, step.prefill.slot_row(i, query.device), params, query[:, :, part],
+                           q_pre[:, :, part], k, v, scale)
             return out
         out, _ = fallback(module, query, key, value, attention_mask, scaling=scale, **kwargs)
         if S == T and layer == 0 and step.slots is None:
