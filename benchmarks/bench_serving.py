@@ -116,7 +116,8 @@ async def run(url: str, model: str, args=None, *, num_prompts: int | None = None
             t0 = time.perf_counter()
             chunks, usage = [], None
             stream = await client.completions.create(model=model, prompt=prompt, max_tokens=output_len,
-                                                     temperature=0, stream=True)
+                                                     temperature=0, stream=True,
+                                                     stream_options={"include_usage": True})
             async for ch in stream:
                 if ch.choices and ch.choices[0].text:
                     chunks.append(time.perf_counter())

@@ -143,7 +143,7 @@ def run_guidellm(exe: str, server: Server, out: Path, *, requests: int, prompt_t
         cmd = [exe, "run", "--backend", backend, "--profile", "kind=synchronous",
                "--constraint", f"kind=max_requests,count={requests}",
                "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
-               "--tokenizer", f"kind=huggingface_auto,model={CHECKPOINT}",
+               "--tokenizer", f"kind=huggingface_auto,model={CHECKPOINT.relative_to(ROOT)}",
                "--output", f"kind=json,path={report}", "--disable-console-interactive"]
         before = request_counts(server.metrics())
         rc, wall = _run(cmd, out / f"guidellm_{name}.log", timeout)

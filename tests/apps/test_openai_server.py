@@ -414,6 +414,12 @@ def test_a_disconnect_mid_stream_frees_its_slot(server):
     while llm.engine.has_unfinished() and time.time() < deadline:
         time.sleep(0.05)
     assert not llm.engine.has_unfinished() and not llm.engine.requests
+    with pytest.raises(httpx.ReadTimeout):      # a client that stops waiting for a whole response
+        httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 2000, "n": 2}, timeout=1.0)
+    deadline = time.time() + 30
+    while llm.engine.has_unfinished() and time.time() < deadline:
+        time.sleep(0.05)
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
     c = _client(url)
     got = c.completions.create(model="builtin", prompt=PROMPTS[3], max_tokens=6, temperature=0)
     assert got.choices[0].text == _greedy(llm, PROMPTS[3], max_tokens=6).outputs[0].text

@@ -185,7 +185,7 @@ def test_seeded_hit_rate_through_llm():
         llm = LLM("builtin", method=method)
         try:
             ids = [300 + (7 * i) % 7000 for i in range(1300)]
-            out = llm.generate(ids, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+            [out] = llm.generate(ids, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
             rates[method] = out.metrics["mac_hit_rate"]
         finally:
             llm.shutdown()

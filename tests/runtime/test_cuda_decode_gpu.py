@@ -256,6 +256,9 @@ def test_the_method_owns_its_bucket_plans_and_graph_variants():
     latest step's rows."""
     from macattn.methods.base import FullDecodePlans
     from macattn.methods.mac.decode_plans import MacDecodePlans, plan_key
+    from macattn.runtime.sampling import SamplerVariant
+
+    ARGMAX = SamplerVariant(draw=False, bias=False, penalize=False)     # the sampler variant of greedy steps
 
     def model():
         return build_builtin_model("llama", seed=3).to("cuda", torch.bfloat16)
@@ -273,12 +276,12 @@ def test_the_method_owns_its_bucket_plans_and_graph_variants():
     for b in dec.buckets.values():
         assert isinstance(b.plans, MacDecodePlans) and b.plans.page_table is b.page_table
         assert set(b.plans.plans) == {plan_key(mac.for_layer(layer)) for layer in layers}
-        assert len(b.plans.plans) == 2 and set(b.graphs) == {(True, True)}
+        assert len(b.plans.plans) == 2 and set(b.graphs) == {(ARGMAX, True)}
     steps = eng.mac_state.diagnostics.steps.sum().item()
     assert steps > 0
     eng.method.collect_diagnostics = False
     eng.step()                                                       # the three requests: bucket 4
-    assert set(dec.buckets[4].graphs) == {(True, True), (True, False)}
+    assert set(dec.buckets[4].graphs) == {(ARGMAX, True), (ARGMAX, False)}
     assert eng.mac_state.diagnostics.steps.sum().item() == steps     # the variant without diagnostics records none
     mp = eng.method.last_match_pos
     assert set(mp) == set(layers) and all(t.shape == (3, eng.method.dims.num_q_heads) for t in mp.values())
@@ -287,5 +290,5 @@ def test_the_method_owns_its_bucket_plans_and_graph_variants():
     for i, p in enumerate(prompts):
         full.add(i, p, 8)
     full.run_to_completion()
-    assert all(type(b.plans) is FullDecodePlans and set(b.graphs) == {(True, None)}
+    assert all(type(b.plans) is FullDecodePlans and set(b.graphs) == {(ARGMAX, None)}
                for b in full.executor.decoder.buckets.values())

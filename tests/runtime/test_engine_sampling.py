@@ -181,3 +181,41 @@ def test_the_engine_checks_token_ids_against_the_vocabulary():
         eng.add_request(p, max_new_tokens=2, prompt_logprobs=257)
     eng.add_request(p, max_new_tokens=2, end_id=-1)                 # never generated: accepted as before
     assert not eng.scheduler.running and len(eng.scheduler.waiting) == 1
+
+
+def test_tensor_parallel_equals_one_rank_with_the_processors_and_prompt_logprobs():
+    """TP = 2 (CPU, gloo; a vocabulary the ranks split unevenly): penalties, bias, min-tokens bans, stop ids
+    and prompt log-probabilities as on one rank (rank 0 samples and reduces; the workers' copies agree)."""
+    from macattn.models.builtin import build_builtin_model
+
+    shapes = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=16, vocab_size=250, max_position_embeddings=256)
+    ps = [p % 250 for p in prompts(3, seed=21, lo=18, hi=30)]
+    sps = [SamplingParams(max_new_tokens=6, prompt_logprobs=2, repetition_penalty=1.5, temperature=1.2, top_k=30,
+                          random_seed=4),
+           SamplingParams(max_new_tokens=6, logit_bias={7: 4.0}, min_tokens=3, end_id=7, frequency_penalty=0.5),
+           SamplingParams(max_new_tokens=6, stop_token_ids=[3], presence_penalty=1.0, prompt_logprobs=0)]
+
+    def run(tp):
+        eng = LLMEngine(build_builtin_model("llama", seed=3, **shapes).double(), MAC,
+                        RuntimeConfig(max_batch_size=2, block_size=8, max_num_batched_tokens=12,
+                                      tensor_parallel_size=tp))
+        try:
+            ids = [eng.add_request(p, sp) for p, sp in zip(ps, sps)]
+            lp = {}
+            while eng.has_unfinished():
+                for o in eng.step():
+                    if o.prompt_logprobs is not None:
+                        lp[o.request_id] = o.prompt_logprobs
+            return [eng.pop_finished(i).output for i in ids], [lp.get(i) for i in ids]
+        finally:
+            eng.close()
+
+    (tokens1, lp1), (tokens2, lp2) = run(1), run(2)
+    assert tokens2 == tokens1
+    assert lp1[1] is None and lp2[1] is None
+    for a, b in zip(lp1, lp2):
+        if a is not None:
+            assert len(a) == len(b) and a[0] is None and b[0] is None
+            for x, y in zip(a[1:], b[1:]):
+                assert list(x) == list(y) and max(abs(x[t] - y[t]) for t in x) < 1e-9

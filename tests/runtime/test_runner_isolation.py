@@ -127,7 +127,7 @@ def test_runner_rejects_a_bad_batch_before_queueing_anything():
         runner.generate(ps, max_new_tokens=0)
     with pytest.raises(ValueError, match="num_beams"):
         runner.generate(ps, max_new_tokens=2, num_beams=4)
-    with pytest.raises(ValueError, match=r"stop_words_list=\[\[1\]\] is not supported \(accepted: \[None\]\)"):
+    with pytest.raises(ValueError, match=r"stop_words_list must hold one list of words per request \(3\), got 1"):
         runner.generate(ps, max_new_tokens=2, stop_words_list=[[1]])
     with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
         runner.generate(ps, max_new_tokens=2, colour=1)

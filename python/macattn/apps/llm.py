@@ -209,9 +209,10 @@ class SamplingParams:
             ids = getattr(self, name)
             if ids is None:
                 continue
-            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__") or \
-                    any(not _is_int(i) or i < 0 for i in ids) or len(list(ids)) > most:
-                raise ValueError(f"{name} must be a list of at most {most} ints >= 0, got {ids!r}")
+            bad = isinstance(ids, (str, bytes, Mapping)) or not hasattr(ids, "__iter__")
+            ids = [] if bad else list(ids)
+            if bad or any(not _is_int(i) or i < 0 for i in ids) or len(ids) > most:
+                raise ValueError(f"{name} must be a list of at most {most} ints >= 0, got {getattr(self, name)!r}")
             object.__setattr__(self, name, list(dict.fromkeys(ids)))
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if stops is not None and (not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) or not s
@@ -326,9 +327,9 @@ def _progress(use_tqdm, total: int, desc: str):
     (a bar exactly when stderr is a terminal)."""
     if use_tqdm is None:
         use_tqdm = sys.stderr.isatty()
-    if use_tqdm is False or not total:
+    if not use_tqdm or not total:
         return None
-    if callable(use_tqdm) and use_tqdm is not True:
+    if callable(use_tqdm):
         return use_tqdm(total=total, desc=desc, unit="req")
     from tqdm.auto import tqdm
 
@@ -435,8 +436,8 @@ class LLM:
             self._engine_loop.tokenizer = tokenizer
 
     # --- generation -------------------------------------------------------------------------
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-                 use_tqdm: Any = None, lora_request: Any = None, reuse_prefix: bool = False) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: Any = None, lora_request: Any = None, *, reuse_prefix: bool = False) -> list[RequestOutput]:
         """``prompts``: one prompt (a string, a token id list, ``{"prompt": text}`` or
         ``{"prompt_token_ids": ids}``) or a list of them. ``sampling_params``: one for all or one per prompt
         (None: ``SamplingParams()``). Returns a list with one ``RequestOutput`` per prompt, always (a single
@@ -452,10 +453,10 @@ class LLM:
                     for i, (p, sp) in enumerate(zip(batch, params))]
         return self._run_batch(requests, use_tqdm, "Processed prompts")
 
-    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-             use_tqdm: Any = None, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             lora_request: Any = None) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: Any = None, lora_request: Any = None, chat_template: str | None = None, *,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate the next message of one conversation (a list of ``{"role", "content"}`` dicts) or of each of
         a list of conversations: each is rendered with the tokenizer's chat template (or ``chat_template``;
         ``add_generation_prompt`` / ``continue_final_message`` / ``chat_template_kwargs`` as in
@@ -594,10 +595,8 @@ class LLM:
         if sp.truncate_prompt_tokens is not None:
             ids = ids[-sp.truncate_prompt_tokens:]
         vocab = self.engine.vocab_size
-        for name in ("logprobs",):
-            k = getattr(sp, name)
-            if k is not None and k > vocab:
-                raise ValueError(f"{sp_where}: {name} must be an int in [0, vocab_size={vocab}], got {k}")
+        if sp.logprobs is not None and sp.logprobs > vocab:
+            raise ValueError(f"{sp_where}: logprobs must be an int in [0, vocab_size={vocab}], got {sp.logprobs}")
         bad = [t for t in sp.bad_token_ids or () if t >= vocab]
         if bad:
             raise ValueError(f"{sp_where}: bad_token_ids must lie in [0, {vocab - 1}], got {bad}")
@@ -613,7 +612,7 @@ class LLM:
                 seed = self._seeds.randint(0, MAX_SEED)
         try:
             esp = sp.engine_params(self.tokenizer.eos_token_id, max_new_tokens=max_new, seed=seed)
-            seq = self.engine.make_request(ids, esp, reuse_prefix=reuse_prefix, **({"n": sp.n} if sp.n > 1 else {}))
+            seq = self.engine.make_request(ids, esp, reuse_prefix=reuse_prefix, n=sp.n)
         except (ValueError, TypeError, NotImplementedError) as exc:
             raise type(exc)(f"{where}: {exc}") from None
         ids_all = [seq.request_id] + [f.request_id for f in seq.forks]

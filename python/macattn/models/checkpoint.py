@@ -1,16 +1,18 @@
 """The built-in trained checkpoint: a small LLaMA trained by ``training/train_tiny_llama.py``.
 
-It lives in ``macattn/data/tiny_llama/`` (config.json, bf16 safetensors shards + index,
-tokenizer.json with tokenizer_config.json / special_tokens_map.json, train_log.json, heldout.txt) and loads with
-plain ``transformers`` (``AutoModelForCausalLM`` / ``AutoTokenizer`` of the directory).
+It lives in ``macattn/data/tiny_llama/`` (config.json, bf16 safetensors shards + index, tokenizer.json with
+tokenizer_config.json / special_tokens_map.json, train_log.json, heldout.txt) and loads with plain
+``transformers`` (``AutoModelForCausalLM`` / ``AutoTokenizer`` of the directory).
 
 ``tokenizer_config.json``: BOS ``<|bos|>`` (0), EOS ``<|eos|>`` (1), pad ``<|pad|>`` (2), no BOS added on
 encode, and a chat template. The model was trained on plain documents (``training/DATA.md``), so there is no
 chat format of its own: the template is the role-tagged one the OpenAI server documents, ``<|role|>\n{content}\n``
 per message (roles system, developer, user, assistant, tool; content parts of type text joined by newlines)
 then ``<|assistant|>\n`` with ``add_generation_prompt``. Inside content every ``<|`` is written ``< |``, so
-no message can forge a role marker or a special token; an unknown role or a non-text part raises. Sources of its training
-text: ``training/DATA.md``; licenses of the held-out text it ships: ``NOTICE.txt`` beside it.
+no message can forge a role marker or a special token; an unknown role or a non-text part raises.
+
+Sources of its training text: ``training/DATA.md``; licenses of the held-out text it ships: ``NOTICE.txt``
+beside it.
 """
 from __future__ import annotations
 

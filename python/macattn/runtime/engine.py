@@ -211,13 +211,15 @@ class LLMEngine:
     def _check_token_ids(self, sampling: SamplingParams) -> None:
         """The token ids and top-k of ``sampling`` against the vocabulary (``ValueError`` naming the field)."""
         V = self.vocab_size
-        for name, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]), ("stop_token_ids", sampling.stop_token_ids)):
+        for name, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]),
+                          ("stop_token_ids", sampling.stop_token_ids)):
             bad = [t for t in ids if not 0 <= t < V]
             if bad:
                 raise ValueError(f"{name} token ids must lie in [0, {V - 1}] (vocab_size={V}), got {bad}")
         # an end_id outside the vocabulary is never generated (accepted as before), but min_tokens bans it
         if sampling.min_tokens and sampling.end_id is not None and not 0 <= sampling.end_id < V:
-            raise ValueError(f"end_id must lie in [0, {V - 1}] (vocab_size={V}) with min_tokens > 0, got {sampling.end_id}")
+            raise ValueError(f"end_id must lie in [0, {V - 1}] (vocab_size={V}) with min_tokens > 0, "
+                             f"got {sampling.end_id}")
         if sampling.prompt_logprobs is not None and sampling.prompt_logprobs > V:
             raise ValueError(f"prompt_logprobs must be an int in [0, vocab_size={V}], got {sampling.prompt_logprobs}")
 
@@ -229,8 +231,9 @@ class LLMEngine:
         if n == 1:
             return
         if self.config.tensor_parallel_size > 1:
-            raise NotImplementedError(f"n={n} > 1 cannot run with tensor_parallel_size={self.config.tensor_parallel_size} "
-                                      "yet: forks copy per-slot state and KV on rank 0 only")
+            raise NotImplementedError(f"n={n} > 1 cannot run with tensor_parallel_size="
+                                      f"{self.config.tensor_parallel_size} yet: a fork's state and KV are copied on "
+                                      "rank 0 only")
         slots = self.slot_states.num_slots - (self.executor.scratch_slot is not None)
         if n > slots:
             raise ValueError(f"n={n} > the {slots} request slots (max_batch_size): the sequences of one prompt run "
@@ -243,7 +246,8 @@ class LLMEngine:
         need = blocks.blocks_needed(total)
         need += (n - 1) * (need - blocks.shared_blocks(prompt_len))
         if need > blocks.num_blocks:
-            raise ValueError(f"n={n}: the {n} sequences need {need} KV blocks together, the pool has {blocks.num_blocks}")
+            raise ValueError(f"n={n}: the {n} sequences need {need} KV blocks together, the pool has "
+                             f"{blocks.num_blocks}")
 
     def add_request(self, input_ids, sampling: SamplingParams | None = None, *, n: int | None = None,
                     **sampling_kwargs) -> int | list[int]:

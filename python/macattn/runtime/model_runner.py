@@ -123,9 +123,9 @@ class _Words:
 # at those (examples/run.py passes most of them on every call), refused by name otherwise
 _UPSTREAM_NEUTRAL: dict[str, tuple] = {
     "num_beams": (None, 1), "num_return_sequences": (None, 1), "top_p_min": (None,), "top_p_reset_ids": (None,),
-    "top_p_decay": (None,), "beam_search_diversity_rate": (None, 0.0),
-    "length_penalty": (None, 1.0), "early_stopping": (None, 1), "no_repeat_ngram_size": (None,),
-    "beam_width_array": (None,), "lora_uids": (None,), "prompt_table": (None,), "prompt_tasks": (None,), "input_token_extra_ids": (None,),
+    "top_p_decay": (None,), "beam_search_diversity_rate": (None, 0.0), "length_penalty": (None, 1.0),
+    "early_stopping": (None, 1), "no_repeat_ngram_size": (None,), "beam_width_array": (None,), "lora_uids": (None,),
+    "prompt_table": (None,), "prompt_tasks": (None,), "input_token_extra_ids": (None,),
     "max_attention_window_size": (None,), "sink_token_length": (None,), "position_ids": (None,),
     "encoder_input_ids": (None,), "encoder_input_features": (None,), "encoder_output_lengths": (None,),
     "cross_attention_masks": (None,), "mrope_params": (None,), "lookahead_config": (None,),
@@ -251,7 +251,8 @@ class ModelRunner:
         n = len(batch_input_ids)
         stops = words_per_request(stop_words_list, n, "stop_words_list", self.vocab_size)
         bads = words_per_request(bad_words_list, n, "bad_words_list", self.vocab_size)
-        if any(len(w) > 1 for words in bads for w in words) and getattr(self.engine.executor, "decoder", None) is not None:
+        graphs = getattr(self.engine.executor, "decoder", None) is not None
+        if graphs and any(len(w) > 1 for words in bads for w in words):
             raise NotImplementedError("bad_words_list: bad words of several tokens are not supported with the CUDA "
                                       "decoder yet (its bias table is written once per request, the ban changes per "
                                       "step); single-token bad words are")

@@ -30,8 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["SamplingParams", "SamplingRow", "SamplingBatch", "SamplerVariant", "PAD_ROW", "TokenCounts", "process_logits",
-           "sample_tokens", "MAX_LOGIT_BIAS", "MAX_STOP_TOKEN_IDS", "BIAS_WIDTH", "MAX_SEED"]
+__all__ = ["SamplingParams", "SamplingRow", "SamplingBatch", "SamplerVariant", "PAD_ROW", "TokenCounts",
+           "process_logits", "sample_tokens", "MAX_LOGIT_BIAS", "MAX_STOP_TOKEN_IDS", "BIAS_WIDTH", "MAX_SEED"]
 
 MAX_LOGIT_BIAS = 64
 """Entries of one request's ``logit_bias`` at most (the sampler's bias table is padded to a fixed width)."""
@@ -42,6 +42,9 @@ BIAS_WIDTH = MAX_LOGIT_BIAS + 1 + MAX_STOP_TOKEN_IDS
 (``-inf`` while ``min_tokens`` is not reached)."""
 MAX_SEED = (1 << 63) - 1
 """The largest ``random_seed`` (an int64)."""
+# the parameters that are per-row columns of a batch (``SamplingBatch``), in ``SamplingParams._scalars`` order
+_PARAM_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty")
 
 
 def _is_int(x) -> bool:
@@ -132,21 +135,27 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
             raise ValueError(f"prompt_logprobs must be None or an int >= 0 (the top-k per position), "
                              f"got {self.prompt_logprobs!r}")
+        # read per row and step by the batch builders: computed once
+        greedy = self.top_k == 1 or (self.top_k == 0 and self.top_p == 0.0)
+        penalized = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        biased = bool(self.logit_bias) or (self.min_tokens > 0 and (self.end_id is not None or bool(self.stop_token_ids)))
+        object.__setattr__(self, "_flags", (greedy, penalized, biased))
+        object.__setattr__(self, "_scalars", tuple(getattr(self, name) for name in _PARAM_COLUMNS))
 
     @property
     def greedy(self) -> bool:
         """No random draw: the argmax of the processed logits."""
-        return self.top_k == 1 or (self.top_k == 0 and self.top_p == 0.0)
+        return self._flags[0]
 
     @property
     def penalized(self) -> bool:
         """Whether a penalty is on (the sampler then reads the request's token counts)."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return self._flags[1]
 
     @property
     def biased(self) -> bool:
         """Whether the bias table has entries for this request at some step (``logit_bias``, ``min_tokens``)."""
-        return bool(self.logit_bias) or (self.min_tokens > 0 and (self.end_id is not None or bool(self.stop_token_ids)))
+        return self._flags[2]
 
     @property
     def plain(self) -> bool:
@@ -226,26 +235,25 @@ class SamplerVariant(NamedTuple):
 
     @staticmethod
     def of(params: list[SamplingParams]) -> "SamplerVariant":
-        return SamplerVariant(not all(p.greedy for p in params), any(p.biased for p in params),
-                              any(p.penalized for p in params))
+        if not params:
+            return SamplerVariant(False, False, False)
+        greedy, penalized, biased = zip(*[p._flags for p in params])
+        return SamplerVariant(not all(greedy), any(biased), any(penalized))
 
-# the per-row scalar columns of a batch: (name, dtype, value of a row)
-_COLUMNS = (
-    ("temperature", torch.float32, lambda r: r.params.temperature),
-    ("top_k", torch.int64, lambda r: r.params.top_k),
-    ("top_p", torch.float32, lambda r: r.params.top_p),
-    ("seed", torch.int64, lambda r: r.seed),
-    ("position", torch.int64, lambda r: r.position),
-    ("min_p", torch.float32, lambda r: r.params.min_p),
-    ("repetition_penalty", torch.float32, lambda r: r.params.repetition_penalty),
-    ("presence_penalty", torch.float32, lambda r: r.params.presence_penalty),
-    ("frequency_penalty", torch.float32, lambda r: r.params.frequency_penalty),
-)
+# the per-row scalar columns of a batch and their dtypes
+_COLUMNS = {"temperature": torch.float32, "top_k": torch.int64, "top_p": torch.float32, "seed": torch.int64,
+            "position": torch.int64, "min_p": torch.float32, "repetition_penalty": torch.float32,
+            "presence_penalty": torch.float32, "frequency_penalty": torch.float32}
 
 
-def columns(rows: list[SamplingRow]) -> dict[str, list]:
+def columns(rows: list[SamplingRow]) -> dict[str, tuple]:
     """The scalar columns of ``rows`` (``SamplingBatch``'s names, ``position`` included)."""
-    return {name: [get(r) for r in rows] for name, _, get in _COLUMNS}
+    if not rows:
+        return {name: () for name in _COLUMNS}
+    cols = dict(zip(_PARAM_COLUMNS, zip(*[r.params._scalars for r in rows])))
+    cols["seed"] = tuple(r.seed for r in rows)
+    cols["position"] = tuple(r.position for r in rows)
+    return cols
 
 
 def bias_row(row: SamplingRow, width: int) -> tuple[list[int], list[float]]:
@@ -283,7 +291,7 @@ class SamplingBatch:
         n = len(rows) if pad_to is None else pad_to
         rows = [SamplingRow(*r) for r in rows] + [PAD_ROW] * (n - len(rows))
         cols = columns(rows)
-        t = {name: torch.tensor(cols[name], dtype=dt) for name, dt, _ in _COLUMNS}
+        t = {name: torch.tensor(cols[name], dtype=dt) for name, dt in _COLUMNS.items()}
         if bias_width is None:
             bias_width = max((len(r.params.bias_entries(r.generated)) for r in rows), default=0)
         table = [bias_row(r, bias_width) for r in rows]

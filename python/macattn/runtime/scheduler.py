@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
 from macattn.runtime.block_manager import BlockManager
 from macattn.runtime.sequence import PrefillChunk, Sequence, SequenceStatus
@@ -154,9 +154,5 @@ class Scheduler:
         seq.slot = None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self._finish_all(list(seq.forks), reason)
-
-    def _finish_all(self, seqs: Iterable[Sequence], reason: str) -> None:
-        for s in seqs:
-            if not s.finished:
-                self.finish(s, reason)
+        for child in list(seq.forks):       # each leaves ``seq.forks``
+            self.finish(child, reason)

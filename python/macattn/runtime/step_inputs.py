@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from macattn.runtime.sampling import BIAS_WIDTH, SamplingBatch, SamplingRow, bias_row, columns
+from macattn.runtime.sampling import _PARAM_COLUMNS, BIAS_WIDTH, SamplingBatch, SamplingRow, bias_row
 
 __all__ = ["StepInputs"]
 
@@ -70,23 +70,40 @@ class StepInputs:
         for name, dtype, shape, start, nbytes in spans:
             self.host[name] = self.host_buffer[start:start + nbytes].view(dtype).view(shape).numpy()
             self.device[name] = self.device_buffer[start:start + nbytes].view(dtype).view(shape)
-        self.bias_keys = [_UNSET] * nb             # what each bias-table row holds (``write_sampling``)
+        self.row_keys = [_UNSET] * nb              # which request's parameters each row holds (``write_sampling``)
+        self.bias_keys = [_UNSET] * nb             # what each bias-table row holds
 
     def sampling(self) -> SamplingBatch:
         """The rows' sampling inputs: views of the device buffer."""
         return SamplingBatch(**{f: self.device[name] for f, name in _SAMPLING_FIELDS.items()})
 
     def write_sampling(self, rows: list[SamplingRow], keys: list) -> None:
-        """Write the ``nb`` sampling ``rows`` (padding rows included) into the host twin. A bias-table row
-        is rewritten only when its key changed (``keys[i]``: e.g. the request and whether its
-        ``min_tokens`` ban is on; None for a padding row)."""
+        """Write the ``nb`` sampling ``rows`` (padding rows included) into the host twin. ``keys[i]``:
+        ``(request, whether its min_tokens ban is on)``, None for a padding row: a row's parameters and seed
+        are rewritten only when its request changed, its bias-table row only when its key did; positions
+        every step."""
         h = self.host
-        for f, col in columns(rows).items():
-            h[_SAMPLING_FIELDS[f]][:] = col
-        for i, (row, key) in enumerate(zip(rows, keys)):
+        h["sample_pos"][:] = np.fromiter((r.position for r in rows), dtype=np.int64, count=len(rows))
+        moved, rebias = [], []
+        for i, key in enumerate(keys):
+            request = None if key is None else key[0]
+            if self.row_keys[i] is _UNSET or self.row_keys[i] != request:
+                moved.append(i)
+                self.row_keys[i] = request
             if self.bias_keys[i] is _UNSET or self.bias_keys[i] != key:
-                h["bias_ids"][i], h["bias_values"][i] = bias_row(row, BIAS_WIDTH)
+                rebias.append(i)
                 self.bias_keys[i] = key
+        if moved:
+            scalars = np.array([rows[i].params._scalars for i in moved], dtype=np.float64)
+            for j, f in enumerate(_PARAM_COLUMNS):   # fp64 holds every value exactly; the cast rounds as torch's
+                h[_SAMPLING_FIELDS[f]][moved] = scalars[:, j]
+            h["seed"][moved] = np.fromiter((rows[i].seed for i in moved), dtype=np.int64, count=len(moved))
+        if rebias:
+            h["bias_ids"][rebias] = 0
+            h["bias_values"][rebias] = 0.0
+            for i in rebias:
+                if rows[i].params.biased:
+                    h["bias_ids"][i], h["bias_values"][i] = bias_row(rows[i], BIAS_WIDTH)
 
     def upload(self) -> None:
         """Copy every field to the device (asynchronous; stream-ordered before the step's graph)."""

@@ -39,11 +39,12 @@ import dataclasses
 import inspect
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from macattn.apps.llm import LLM, RequestOutput, SamplingParams
@@ -91,10 +92,18 @@ def _llm_fields(cls) -> set[str]:
     return {n for n, p in inspect.signature(cls).parameters.items() if p.kind is not p.VAR_KEYWORD}
 
 
-def _param_of(message: str, default: str) -> str:
-    """The field an LLM API error names first (``"top_p must be ..."``, ``"prompt: ..."``)."""
-    head = message.split(" ", 1)[0].rstrip(":,")
-    return head.split("=", 1)[0] if head.replace("_", "").replace("[", "").replace("]", "").isalnum() else default
+_ENGINE_REFUSAL = "not supported by this engine: "
+
+
+def _llm_error(message: str, default: str) -> tuple[str, str]:
+    """``(param, message)`` of an LLM API error: the field it names first (``"top_p must be ..."``,
+    ``"prompt: ..."``, ``"not supported by this engine: best_of=3 ..."``), its refusals in the server's words."""
+    if message.startswith(_ENGINE_REFUSAL):
+        message = f"{NOT_SUPPORTED}: {message[len(_ENGINE_REFUSAL):]}"
+        m = re.match(r"([A-Za-z_]\w*)", message[len(NOT_SUPPORTED) + 2:])
+    else:
+        m = re.match(r"([A-Za-z_][\w.\[\]]*)(?::| must | is |=)", message)
+    return (m.group(1) if m else default), message
 
 
 # --- log-probabilities -----------------------------------------------------------------------------
@@ -144,9 +153,14 @@ class _Tokens:
     def name(self, t: int, as_ids: bool) -> str:
         return f"token_id:{t}" if as_ids else self.text(t)
 
-    def completion(self, ids, entries, *, as_ids: bool, offset: int = 0, prompt_ids=None, prompt_entries=None):
-        """OpenAI's completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset); with
-        ``prompt_ids`` the prompt's positions first (position 0 has no log-probability)."""
+    def _top(self, e: dict[int, float], k: int) -> list[tuple[int, float]]:
+        """The ``k`` most likely of one position's entries (``e``: the token and the engine's top-k)."""
+        return sorted(e.items(), key=lambda kv: -kv[1])[:k]
+
+    def completion(self, ids, entries, k: int, *, as_ids: bool, offset: int = 0, prompt_ids=None,
+                   prompt_entries=None):
+        """OpenAI's completions ``logprobs`` (tokens, token_logprobs, top_logprobs: the token and the ``k`` most
+        likely, text_offset); with ``prompt_ids`` the prompt's positions first (position 0 has none)."""
         tokens, lps, tops, offsets = [], [], [], []
         pairs = []
         if prompt_ids is not None:
@@ -154,8 +168,7 @@ class _Tokens:
                       for i, t in enumerate(prompt_ids)]
         pairs += list(zip(ids, entries or [None] * len(ids)))
         for t, e in pairs:
-            s = self.name(t, as_ids)
-            tokens.append(s)
+            tokens.append(self.name(t, as_ids))
             offsets.append(offset)
             offset += len(self.text(t))
             if e is None:
@@ -164,35 +177,36 @@ class _Tokens:
                 continue
             lps.append(e.get(t))
             top: dict[str, float] = {}
-            for k, v in e.items():
-                key = self.name(k, as_ids)
-                top[key] = max(v, top.get(key, v))
+            for i, v in ([(t, e[t])] if t in e else []) + self._top(e, k):
+                key = self.name(i, as_ids)
+                top[key] = max(v, top.get(key, v))      # two ids may decode to one string: keep the larger
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
     def chat(self, ids, entries, k: int, *, as_ids: bool) -> list[dict]:
         """OpenAI's chat ``logprobs.content`` items of ``ids``."""
-        out = []
-        for t, e in zip(ids, entries or []):
-            best = sorted(e.items(), key=lambda kv: -kv[1])[:k]
-            out.append({"token": self.name(t, as_ids), "logprob": e.get(t), "bytes": self.bytes(t),
-                        "top_logprobs": [{"token": self.name(i, as_ids), "logprob": v, "bytes": self.bytes(i)}
-                                         for i, v in best]})
-        return out
+        return [{"token": self.name(t, as_ids), "logprob": e.get(t), "bytes": self.bytes(t),
+                 "top_logprobs": [{"token": self.name(i, as_ids), "logprob": v, "bytes": self.bytes(i)}
+                                  for i, v in self._top(e, k)]}
+                for t, e in zip(ids, entries or [])]
 
-    def vllm_prompt(self, prompt_ids, prompt_entries) -> list:
+    def vllm_prompt(self, prompt_ids, prompt_entries, k: int) -> list:
         """vLLM's ``prompt_logprobs``: per prompt position None (position 0) or ``{id: {logprob, rank,
-        decoded_token}}`` (rank: 1 = most likely; None for a prompt token outside the top-k)."""
+        decoded_token}}`` for the prompt token and the ``k`` most likely (rank 1 = most likely; None for a
+        prompt token outside them, whose rank the engine does not report)."""
         out = []
         for i, t in enumerate(prompt_ids):
             e = prompt_entries[i] if prompt_entries and i < len(prompt_entries) else None
             if e is None:
                 out.append(None)
                 continue
-            order = sorted(e.items(), key=lambda kv: -kv[1])
-            k = len(e) - (0 if any(j == t for j, _ in order[:len(e) - 1]) or len(e) == 1 else 1)
-            ranks = {j: r + 1 for r, (j, _) in enumerate(order[:k])}
-            out.append({str(j): {"logprob": v, "rank": ranks.get(j), "decoded_token": self.text(j)} for j, v in e.items()})
+            top = self._top(e, k)
+            ranks = {j: r + 1 for r, (j, _) in enumerate(top)}
+            keep = dict(top)
+            if t in e:
+                keep[t] = e[t]
+            out.append({str(j): {"logprob": v, "rank": ranks.get(j), "decoded_token": self.text(j)}
+                        for j, v in keep.items()})
         return out
 
 
@@ -393,8 +407,7 @@ class _Server:
         try:
             return SamplingParams(**kw)
         except (TypeError, ValueError) as exc:
-            message = str(exc)
-            p.items.append((_param_of(message, "sampling"), message))
+            p.items.append(_llm_error(str(exc), "sampling"))
             return None
 
     def _emits_eos(self, kw: dict) -> bool:
@@ -456,7 +469,7 @@ class _Server:
                 where = "messages" if req.endpoint == "chat" else ("prompt" if len(prompts) == 1 else f"prompt[{i}]")
                 if message.startswith("prompt: "):
                     message = f"{where}: {message[len('prompt: '):]}"
-                p.items.append((_param_of(message, where), message))
+                p.items.append(_llm_error(message, where))
                 continue
             jobs.append(_Job(i, first, handle, text, ids, emits_eos=sp.ignore_eos and not req.sampling.get("ignore_eos")))
         if p:
@@ -472,7 +485,7 @@ class _Server:
         text = ("" if hide else comp.text)
         logprobs = None
         if req.logprobs is not None:
-            logprobs = self.tokens.completion(ids, entries, as_ids=req.tokens_as_ids,
+            logprobs = self.tokens.completion(ids, entries, req.logprobs, as_ids=req.tokens_as_ids,
                                               prompt_ids=job.prompt_ids if req.echo else None,
                                               prompt_entries=prompt_entries)
         finish, stop = self.finish(job, comp)
@@ -480,7 +493,7 @@ class _Server:
                   "logprobs": logprobs, "finish_reason": "length" if hide else finish,
                   "stop_reason": None if hide else stop}
         if req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = (self.tokens.vllm_prompt(job.prompt_ids, prompt_entries)
+            choice["prompt_logprobs"] = (self.tokens.vllm_prompt(job.prompt_ids, prompt_entries, req.prompt_logprobs)
                                          if prompt_entries is not None else None)
         return choice
 
@@ -499,8 +512,21 @@ class _Server:
         for out in outs:
             self.metrics.finished(out)
 
-    async def respond(self, endpoint: str, req: GenRequest, jobs: list[_Job]) -> dict:
-        results = await asyncio.gather(*(_result(j.handle) for j in jobs))
+    async def respond(self, endpoint: str, request: Request, req: GenRequest, jobs: list[_Job]) -> dict | None:
+        """The response of a request that does not stream (None: the client went away; its requests were
+        aborted, which freed their slots)."""
+        gathered = asyncio.ensure_future(asyncio.gather(*(_result(j.handle) for j in jobs)))
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({gathered, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not gathered.done():
+            for j in jobs:
+                j.handle.abort()
+            await gathered
+            self.metrics.running.dec()
+            self.metrics.requests.labels(endpoint, "499").inc()
+            return None
+        results = gathered.result()
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             self.metrics.running.dec()
@@ -522,7 +548,8 @@ class _Server:
                 choices += [self.chat_choice(req, j, c) for c in out.outputs]
                 if req.prompt_logprobs is not None and prompt_lps is None:
                     entries = _prompt_entries(out, len(j.prompt_ids))
-                    prompt_lps = self.tokens.vllm_prompt(j.prompt_ids, entries) if entries is not None else None
+                    prompt_lps = (self.tokens.vllm_prompt(j.prompt_ids, entries, req.prompt_logprobs)
+                                  if entries is not None else None)
         choices.sort(key=lambda c: c["index"])
         body = {**head, "choices": choices, "usage": _usage(jobs, results, hide)}
         if req.endpoint == "chat" and req.prompt_logprobs is not None:
@@ -589,7 +616,8 @@ class _Server:
                             if not st.started and req.echo:
                                 p_ids = job.prompt_ids
                                 p_entries = _prompt_entries(snap, len(job.prompt_ids))
-                            logprobs = self.tokens.completion(ids, entries, as_ids=req.tokens_as_ids, offset=offset,
+                            logprobs = self.tokens.completion(ids, entries, req.logprobs, as_ids=req.tokens_as_ids,
+                                                              offset=offset,
                                                               prompt_ids=p_ids, prompt_entries=p_entries)
                         choice = {"index": idx, "text": lead_text + delta, "logprobs": logprobs,
                                   "finish_reason": "length" if hide and finish else finish,
@@ -665,6 +693,12 @@ async def _merge(jobs: list[_Job]):
             t.cancel()
 
 
+async def _disconnected(request: Request, every: float = 0.25) -> None:
+    """Returns once the client has gone away."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(every)
+
+
 async def _result(handle) -> RequestOutput | BaseException:
     last = None
     try:
@@ -725,7 +759,8 @@ def build_app(llm: LLM, model_name: str, *, default_max_tokens: int | None = Non
         if req.stream:
             return StreamingResponse(srv.stream(endpoint, request, req, jobs), media_type="text/event-stream")
         try:
-            return await srv.respond(endpoint, req, jobs)
+            body = await srv.respond(endpoint, request, req, jobs)
+            return body if body is not None else Response(status_code=499)
         except Exception as exc:   # noqa: BLE001 - the engine failed: a 500 naming it
             logger.exception("request failed")
             return _error(500, f"the engine failed: {exc}")
