@@ -357,7 +357,15 @@ def engine_options(args) -> tuple[dict, dict]:
     replaces); one given but not taken is reported and warned about, not passed."""
     from macattn.apps.llm import LLM
 
-    params = inspect.signature(LLM.__init__).parameters
+    params = set(inspect.signature(LLM.__init__).parameters)
+    try:                                  # an LLM built through EngineArgs takes every one of its fields
+        from dataclasses import fields
+
+        from macattn.runtime.engine_args import EngineArgs
+
+        params |= {f.name for f in fields(EngineArgs)}
+    except ImportError:
+        pass
     kw, info = {}, {}
     for name in ("max_num_batched_tokens", "prefill_chunk"):
         value = getattr(args, name)

@@ -125,11 +125,11 @@ def test_floor_for_arithmetic():
 
 
 def test_engine_options_pass_only_what_llm_takes(capsys):
-    import inspect
+    from dataclasses import fields
 
-    from macattn.apps.llm import LLM
+    from macattn.runtime.engine_args import EngineArgs
 
-    takes = inspect.signature(LLM.__init__).parameters
+    takes = {f.name for f in fields(EngineArgs)}          # LLM(**kwargs) takes every engine argument
     kw, info = serving.engine_options(_args(max_num_batched_tokens=4096, prefill_chunk=64))
     for name, value in (("max_num_batched_tokens", 4096), ("prefill_chunk", 64)):
         assert (name in kw) == (name in takes) == info[f"{name}_applied"]

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from macattn.runtime.word_lists import parse_word_list  # noqa: F401  (the serving models' parser)
+
 __all__ = ["TextStage", "load_tokenizer_dir", "word_list", "parse_word_list"]
 
 ROLES = ("preprocessing", "postprocessing")
@@ -52,24 +54,6 @@ def word_list(words: list[list[int]]) -> np.ndarray:
     out[0, :len(flat)] = flat
     out[1, :len(ends)] = ends
     return out
-
-
-def parse_word_list(arr: np.ndarray, name: str) -> list[list[int]]:
-    """The words of a ``[2, N]`` word list (inverse of ``word_list``)."""
-    arr = np.asarray(arr)
-    if arr.ndim == 3 and arr.shape[0] == 1:
-        arr = arr[0]
-    if arr.ndim != 2 or arr.shape[0] != 2:
-        raise ValueError(f"{name} must be a [2, N] word list (ids, end offsets), got shape {list(arr.shape)}")
-    ids, ends = arr[0].tolist(), [int(e) for e in arr[1].tolist() if e >= 0]
-    if ends != sorted(ends) or (ends and ends[-1] > len(ids)):
-        raise ValueError(f"{name}: end offsets must increase and stay within the {len(ids)} ids, got {ends}")
-    words, start = [], 0
-    for e in ends:
-        if e > start:
-            words.append([int(t) for t in ids[start:e]])
-        start = e
-    return words
 
 
 class TextStage:
