@@ -249,12 +249,17 @@ def test_a_buckets_static_inputs_hold_the_batch_and_rewrite_bias_rows_when_they_
     inputs = StepInputs(nb, max_pages=4, paged=True, device=torch.device("cpu"))
     params = [_random_params(rng, max_new=3) for _ in range(5)] + [SamplingParams(min_tokens=2, end_id=4,
                                                                                    max_new_tokens=4)]
-    for step in range(3):
-        rows = [SamplingRow(p, 1000 + i, 30 + step, step) for i, p in enumerate(params)]
-        keys = [(i, step < p.min_tokens) for i, p in enumerate(params)] + [None] * (nb - len(rows))
+    order = list(range(len(params)))
+    for step in range(6):
+        if step == 3:                                   # requests finish and join: rows move
+            order = [5, 0, 3]
+        if step == 4:
+            order = [1, 2, 5, 0, 3, 4]
+        rows = [SamplingRow(params[i], 1000 + i, 30 + step, step) for i in order]
+        keys = [(i, step < params[i].min_tokens) for i in order] + [None] * (nb - len(rows))
         inputs.write_sampling(rows + [PAD_ROW] * (nb - len(rows)), keys)
         inputs.upload()
         got, want = inputs.sampling(), SamplingBatch.of(rows, "cpu", pad_to=nb, bias_width=BIAS_WIDTH)
         for name in want.__dataclass_fields__:
             assert torch.equal(getattr(got, name), getattr(want, name)), (step, name)
-    assert inputs.bias_keys[5] == (5, False)
+    assert inputs.bias_keys[2] == (5, False) and inputs.row_keys[:6] == [1, 2, 5, 0, 3, 4]

@@ -240,6 +240,7 @@ class SamplerVariant(NamedTuple):
         greedy, penalized, biased = zip(*[p._flags for p in params])
         return SamplerVariant(not all(greedy), any(biased), any(penalized))
 
+
 # the per-row scalar columns of a batch and their dtypes
 _COLUMNS = {"temperature": torch.float32, "top_k": torch.int64, "top_p": torch.float32, "seed": torch.int64,
             "position": torch.int64, "min_p": torch.float32, "repetition_penalty": torch.float32,
