@@ -8,7 +8,7 @@ from collections import Counter
 
 import torch
 
-from macattn.runtime.sampling import SamplingParams, _uniforms
+from macattn.runtime.sampling import SamplingConfig, _uniforms
 
 
 def _f32(v: float, dtype: torch.dtype) -> torch.Tensor:
@@ -16,7 +16,7 @@ def _f32(v: float, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(v, dtype=torch.float32).to(dtype)
 
 
-def reference_logits(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+def reference_logits(logits: torch.Tensor, p: SamplingConfig, prompt: list[int], output: list[int]) -> torch.Tensor:
     """One request's processed logits ``[V]`` (in the logits' dtype promoted to fp32 at least)."""
     dt = torch.promote_types(logits.dtype, torch.float32)
     x = logits.to(dt).clone()
@@ -34,7 +34,7 @@ def reference_logits(logits: torch.Tensor, p: SamplingParams, prompt: list[int],
     return x
 
 
-def reference_token(logits: torch.Tensor, p: SamplingParams, seed: int, position: int, prompt: list[int],
+def reference_token(logits: torch.Tensor, p: SamplingConfig, seed: int, position: int, prompt: list[int],
                     output: list[int]) -> int:
     """The token one request draws at ``position`` from its raw ``logits [V]``."""
     x = reference_logits(logits, p, prompt, output)

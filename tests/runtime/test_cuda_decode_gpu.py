@@ -132,9 +132,9 @@ def _generate(model, mac, graphs, prompts, sampling, quantization=None, device="
 def test_whole_step_graph_with_sampler_equals_eager(mac, quantization):
     """Embedding -> layers -> logits -> sampler as one replay: the same tokens as the eager step,
     greedy and sampled requests mixed (both sampler variants captured), bf16 and FP8 weights."""
-    from macattn.runtime.sampling import SamplingParams
+    from macattn.runtime.sampling import SamplingConfig
 
-    sampling = [SamplingParams(max_new_tokens=10), SamplingParams(max_new_tokens=10, top_k=20, top_p=0.9,
+    sampling = [SamplingConfig(max_new_tokens=10), SamplingConfig(max_new_tokens=10, top_k=20, top_p=0.9,
                                                                   temperature=0.8, random_seed=11)]
     prompts = _prompts(5, seed=8)
     model = lambda: build_builtin_model("llama", seed=3).to("cuda", torch.bfloat16)  # noqa: E731

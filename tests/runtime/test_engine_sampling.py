@@ -18,7 +18,7 @@ from macattn.methods.full.config import FullConfig
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.cuda_decode import CudaDecoder
 from macattn.runtime.engine import LLMEngine
-from macattn.runtime.sampling import SamplingParams
+from macattn.runtime.sampling import SamplingConfig
 
 from _sampler_ref import reference_token
 from _tiny import MAC, prompts, tiny_model
@@ -62,7 +62,7 @@ def _engine(kind: str, *, slots: int = 3, budget: int | None = 11) -> LLMEngine:
     return eng
 
 
-def _params(rng: random.Random, i: int) -> SamplingParams:
+def _params(rng: random.Random, i: int) -> SamplingConfig:
     kinds = [dict(), dict(repetition_penalty=1.8), dict(presence_penalty=1.5, frequency_penalty=0.7),
              dict(logit_bias={rng.randrange(V): 8.0, rng.randrange(V): -50.0}),
              dict(min_tokens=5, end_id=rng.randrange(V), stop_token_ids=[rng.randrange(V)]),
@@ -71,7 +71,7 @@ def _params(rng: random.Random, i: int) -> SamplingParams:
     if i % 2:
         kw.update(temperature=rng.uniform(0.6, 1.5), top_k=rng.choice([0, 40]),
                   top_p=rng.choice([0.0, 0.9]), min_p=rng.choice([0.0, 0.05]), random_seed=rng.randrange(1 << 40))
-    return SamplingParams(**kw)
+    return SamplingConfig(**kw)
 
 
 def _run(eng: LLMEngine, ps, params, *, arrivals: bool = True):
@@ -130,7 +130,7 @@ def test_every_request_equals_the_per_request_reference(kind):
 def test_default_requests_keep_their_tokens_beside_processed_ones():
     ps = prompts(6, seed=4, lo=15, hi=25)
     rng = random.Random(2)
-    plain = [SamplingParams(max_new_tokens=8), SamplingParams(max_new_tokens=8, top_k=0, top_p=0.9, random_seed=5)] * 3
+    plain = [SamplingConfig(max_new_tokens=8), SamplingConfig(max_new_tokens=8, top_k=0, top_p=0.9, random_seed=5)] * 3
     mixed = [plain[i] if i % 2 == 0 else _params(rng, i) for i in range(6)]
     for kind in ("cpu", "bucketed"):
         alone_eng = _engine(kind)
@@ -191,10 +191,10 @@ def test_tensor_parallel_equals_one_rank_with_the_processors_and_prompt_logprobs
     shapes = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=8,
                   num_key_value_heads=4, head_dim=16, vocab_size=250, max_position_embeddings=256)
     ps = [p % 250 for p in prompts(3, seed=21, lo=18, hi=30)]
-    sps = [SamplingParams(max_new_tokens=6, prompt_logprobs=2, repetition_penalty=1.5, temperature=1.2, top_k=30,
+    sps = [SamplingConfig(max_new_tokens=6, prompt_logprobs=2, repetition_penalty=1.5, temperature=1.2, top_k=30,
                           random_seed=4),
-           SamplingParams(max_new_tokens=6, logit_bias={7: 4.0}, min_tokens=3, end_id=7, frequency_penalty=0.5),
-           SamplingParams(max_new_tokens=6, stop_token_ids=[3], presence_penalty=1.0, prompt_logprobs=0)]
+           SamplingConfig(max_new_tokens=6, logit_bias={7: 4.0}, min_tokens=3, end_id=7, frequency_penalty=0.5),
+           SamplingConfig(max_new_tokens=6, stop_token_ids=[3], presence_penalty=1.0, prompt_logprobs=0)]
 
     def run(tp):
         eng = LLMEngine(build_builtin_model("llama", seed=3, **shapes).double(), MAC,

@@ -13,7 +13,7 @@ import torch
 
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.engine import LLMEngine
-from macattn.runtime.sampling import SamplingParams
+from macattn.runtime.sampling import SamplingConfig
 from macattn.runtime.sequence import SequenceStatus
 
 from _tiny import MAC, prompts, tiny_model
@@ -66,7 +66,7 @@ def _all_free(eng: LLMEngine) -> None:
 def test_each_fork_equals_an_independent_request_with_its_seed(case, prompt_len):
     p = prompts(1, seed=prompt_len, lo=prompt_len, hi=prompt_len)[0]
     other = prompts(1, seed=9, lo=20, hi=20)[0]
-    sp = SamplingParams(max_new_tokens=7, temperature=1.3, top_k=40, random_seed=1234,
+    sp = SamplingConfig(max_new_tokens=7, temperature=1.3, top_k=40, random_seed=1234,
                         repetition_penalty=1.2 if case == "mac" else 1.0)
     eng = _engine(case)
     before = eng.add_request(other, max_new_tokens=10)         # running while the group prefills

@@ -1,4 +1,4 @@
-"""Prompt log-probabilities from the prefill (``SamplingParams.prompt_logprobs = k``): per prompt position
+"""Prompt log-probabilities from the prefill (``SamplingConfig.prompt_logprobs = k``): per prompt position
 the log-probability of the prompt token given its prefix and the top-k, from the packed prefill's logits
 of that request's positions, equal a plain transformers forward's log-softmax of the same model (fp32 and
 fp64, CPU) within 1e-4 — whole prompts, prompts chunked across engine steps under a token budget, with

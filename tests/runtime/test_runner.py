@@ -243,8 +243,8 @@ def test_bad_words_are_never_generated(runner):
 
 def test_penalties_and_min_p_reach_the_engine(runner):
     """repetition / presence / frequency penalties and min_p (one value or one per request) change what the
-    engine samples exactly as the engine's own SamplingParams do; a neutral value changes nothing."""
-    from macattn.runtime.sampling import SamplingParams
+    engine samples exactly as the engine's own SamplingConfig do; a neutral value changes nothing."""
+    from macattn.runtime.sampling import SamplingConfig
 
     ps = prompts(2, seed=37)
     base = runner.generate(ps, max_new_tokens=8)
@@ -252,7 +252,7 @@ def test_penalties_and_min_p_reach_the_engine(runner):
                                        frequency_penalty=0.0, min_p=0.0), base)
     for kw in (dict(repetition_penalty=1.8), dict(presence_penalty=2.0), dict(frequency_penalty=2.0)):
         got = runner.generate(ps, max_new_tokens=8, **kw)
-        want = runner.generate(ps, sampling_config=SamplingParams(max_new_tokens=8, **kw))
+        want = runner.generate(ps, sampling_config=SamplingConfig(max_new_tokens=8, **kw))
         assert torch.equal(got, want) and not torch.equal(got, base), kw
     per = runner.generate(ps, max_new_tokens=8, repetition_penalty=[1.0, 1.8])
     assert torch.equal(per[0], base[0]) and torch.equal(per[1], runner.generate(ps, max_new_tokens=8,

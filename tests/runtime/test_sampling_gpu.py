@@ -13,21 +13,21 @@ from macattn.methods.mac.config import MacConfig  # noqa: E402
 from macattn.models.builtin import build_builtin_model  # noqa: E402
 from macattn.runtime.config import RuntimeConfig  # noqa: E402
 from macattn.runtime.engine import LLMEngine  # noqa: E402
-from macattn.runtime.sampling import SamplingParams  # noqa: E402
+from macattn.runtime.sampling import SamplingConfig  # noqa: E402
 
 from _sampler_ref import reference_token  # noqa: E402
 
 pytest.importorskip("triton")
 
 MAC = MacConfig(window=16, band=4, tau=0.2)
-SAMPLING = [SamplingParams(max_new_tokens=12),
-            SamplingParams(max_new_tokens=12, repetition_penalty=1.3, random_seed=1),
-            SamplingParams(max_new_tokens=12, top_k=40, top_p=0.9, temperature=0.9, min_p=0.05, random_seed=2,
+SAMPLING = [SamplingConfig(max_new_tokens=12),
+            SamplingConfig(max_new_tokens=12, repetition_penalty=1.3, random_seed=1),
+            SamplingConfig(max_new_tokens=12, top_k=40, top_p=0.9, temperature=0.9, min_p=0.05, random_seed=2,
                            presence_penalty=0.8, frequency_penalty=0.4),
-            SamplingParams(max_new_tokens=12, logit_bias={5: 3.0, 9: -100.0}, random_seed=3),
-            SamplingParams(max_new_tokens=12, min_tokens=6, end_id=2, stop_token_ids=[7, 11], random_seed=4,
+            SamplingConfig(max_new_tokens=12, logit_bias={5: 3.0, 9: -100.0}, random_seed=3),
+            SamplingConfig(max_new_tokens=12, min_tokens=6, end_id=2, stop_token_ids=[7, 11], random_seed=4,
                            top_k=0, top_p=0.95),
-            SamplingParams(max_new_tokens=12, temperature=1.2, top_k=20, random_seed=5)]
+            SamplingConfig(max_new_tokens=12, temperature=1.2, top_k=20, random_seed=5)]
 
 
 def _prompts(n, seed):

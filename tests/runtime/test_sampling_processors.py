@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from macattn.runtime.sampling import (BIAS_WIDTH, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, PAD_ROW, SamplerVariant,
-                                      SamplingBatch, SamplingParams, SamplingRow, TokenCounts, _uniforms,
+                                      SamplingBatch, SamplingConfig, SamplingRow, TokenCounts, _uniforms,
                                       process_logits, sample_tokens)
 from macattn.runtime.step_inputs import StepInputs
 
@@ -22,7 +22,7 @@ from _sampler_ref import reference_logits, reference_token
 V = 97
 
 
-def _random_params(rng: random.Random, *, max_new: int = 40) -> SamplingParams:
+def _random_params(rng: random.Random, *, max_new: int = 40) -> SamplingConfig:
     """Every processor on or off at random, values across their ranges."""
     pick = rng.random
     kw = dict(max_new_tokens=max_new)
@@ -43,7 +43,7 @@ def _random_params(rng: random.Random, *, max_new: int = 40) -> SamplingParams:
                   top_p=rng.choice([0.0, 1.0, rng.uniform(0.3, 0.99)]))
         if pick() < 0.6:
             kw.update(min_p=rng.choice([0.0, rng.uniform(0.01, 0.5)]))
-    return SamplingParams(**kw)
+    return SamplingConfig(**kw)
 
 
 def _histories(rng: random.Random, n: int):
@@ -125,8 +125,8 @@ def test_rows_with_every_default_get_todays_tokens(dtype):
         B = 10
         logits = (torch.randn(B, V, generator=gen) * 4).to(dtype)
         logits[0, :5] = logits[0].max()                       # ties survive (no rounding of fp64 to fp32)
-        plain = [SamplingParams(), SamplingParams(top_k=0, top_p=0.8, temperature=0.7),
-                 SamplingParams(top_k=20, temperature=1.4), SamplingParams(top_k=0, top_p=1.0)]
+        plain = [SamplingConfig(), SamplingConfig(top_k=0, top_p=0.8, temperature=0.7),
+                 SamplingConfig(top_k=20, temperature=1.4), SamplingConfig(top_k=0, top_p=1.0)]
         params = [plain[b % 4] if b % 2 == 0 else _random_params(rng) for b in range(B)]
         hist = _histories(rng, B)
         tc = _counts(hist, list(range(B)), B)
@@ -147,7 +147,7 @@ def test_rows_with_every_default_get_todays_tokens(dtype):
 def test_min_p_keeps_the_tokens_near_the_most_likely():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]]))
     n = 4000
-    p = SamplingParams(top_k=0, top_p=1.0, min_p=0.3)            # keeps p >= 0.12: tokens 0, 1, 2
+    p = SamplingConfig(top_k=0, top_p=1.0, min_p=0.3)            # keeps p >= 0.12: tokens 0, 1, 2
     batch = SamplingBatch.of([(p, 9, pos) for pos in range(n)], "cpu")
     freq = torch.bincount(sample_tokens(logits.expand(n, -1), batch), minlength=5) / n
     assert freq[3:].sum() == 0 and abs(float(freq[0]) - 0.4 / 0.85) < 0.03
@@ -160,7 +160,7 @@ def test_penalties_and_bias_steer_the_greedy_token():
     s = torch.tensor([0])
 
     def tok(**kw):
-        return int(sample_tokens(logits, SamplingBatch.of([SamplingRow(SamplingParams(**kw), 0, 5, 1)], "cpu"),
+        return int(sample_tokens(logits, SamplingBatch.of([SamplingRow(SamplingConfig(**kw), 0, 5, 1)], "cpu"),
                                  counts=tc.rows(s)))
     assert tok() == 0
     assert tok(repetition_penalty=2.0) == 1                 # 3 / 2 < 2: the prompt's token is penalised
@@ -193,13 +193,13 @@ def test_token_counts_reset_copy_and_lazy_allocation():
 
 
 def test_the_sampler_variant():
-    assert SamplerVariant.of([SamplingParams()]) == (False, False, False)
-    assert SamplerVariant.of([SamplingParams(), SamplingParams(top_k=0, top_p=0.9)]) == (True, False, False)
-    assert SamplerVariant.of([SamplingParams(logit_bias={1: 1.0})]) == (False, True, False)
-    assert SamplerVariant.of([SamplingParams(min_tokens=1, end_id=2)]) == (False, True, False)
-    assert SamplerVariant.of([SamplingParams(min_tokens=1)]) == (False, False, False)   # nothing to ban
-    assert SamplerVariant.of([SamplingParams(presence_penalty=0.1)]) == (False, False, True)
-    assert SamplingParams(min_p=0.5).plain and not SamplingParams(repetition_penalty=1.1).plain
+    assert SamplerVariant.of([SamplingConfig()]) == (False, False, False)
+    assert SamplerVariant.of([SamplingConfig(), SamplingConfig(top_k=0, top_p=0.9)]) == (True, False, False)
+    assert SamplerVariant.of([SamplingConfig(logit_bias={1: 1.0})]) == (False, True, False)
+    assert SamplerVariant.of([SamplingConfig(min_tokens=1, end_id=2)]) == (False, True, False)
+    assert SamplerVariant.of([SamplingConfig(min_tokens=1)]) == (False, False, False)   # nothing to ban
+    assert SamplerVariant.of([SamplingConfig(presence_penalty=0.1)]) == (False, False, True)
+    assert SamplingConfig(min_p=0.5).plain and not SamplingConfig(repetition_penalty=1.1).plain
 
 
 @pytest.mark.parametrize("field, value, match", [
@@ -227,16 +227,16 @@ def test_the_sampler_variant():
 ])
 def test_each_new_field_is_validated_by_name(field, value, match):
     with pytest.raises((ValueError, TypeError), match=match):
-        SamplingParams(max_new_tokens=4, **{field: value})
+        SamplingConfig(max_new_tokens=4, **{field: value})
 
 
 def test_field_normalisation():
-    p = SamplingParams(max_new_tokens=4, logit_bias={9: 1, 2: -100}, stop_token_ids=[7, 3, 7], min_tokens=4,
+    p = SamplingConfig(max_new_tokens=4, logit_bias={9: 1, 2: -100}, stop_token_ids=[7, 3, 7], min_tokens=4,
                        repetition_penalty=2, presence_penalty=-2, frequency_penalty=2, min_p=1, prompt_logprobs=0)
     assert p.logit_bias == ((2, -100.0), (9, 1.0)) and p.stop_token_ids == (7, 3)
     assert isinstance(p.repetition_penalty, float) and isinstance(p.min_p, float)
-    assert SamplingParams(logit_bias=[(4, 0.5)]).logit_bias == ((4, 0.5),)
-    assert hash(p) == hash(SamplingParams(max_new_tokens=4, logit_bias=[(9, 1.0), (2, -100.0)], stop_token_ids=(7, 3),
+    assert SamplingConfig(logit_bias=[(4, 0.5)]).logit_bias == ((4, 0.5),)
+    assert hash(p) == hash(SamplingConfig(max_new_tokens=4, logit_bias=[(9, 1.0), (2, -100.0)], stop_token_ids=(7, 3),
                                           min_tokens=4, repetition_penalty=2.0, presence_penalty=-2.0,
                                           frequency_penalty=2.0, min_p=1.0, prompt_logprobs=0))
     assert p.bias_entries(3) == [(2, -100.0), (9, 1.0), (7, -math.inf), (3, -math.inf)]
@@ -247,7 +247,7 @@ def test_a_buckets_static_inputs_hold_the_batch_and_rewrite_bias_rows_when_they_
     rng = random.Random(5)
     nb = 8
     inputs = StepInputs(nb, max_pages=4, paged=True, device=torch.device("cpu"))
-    params = [_random_params(rng, max_new=3) for _ in range(5)] + [SamplingParams(min_tokens=2, end_id=4,
+    params = [_random_params(rng, max_new=3) for _ in range(5)] + [SamplingConfig(min_tokens=2, end_id=4,
                                                                                    max_new_tokens=4)]
     order = list(range(len(params)))
     for step in range(6):

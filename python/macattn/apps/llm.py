@@ -47,7 +47,7 @@ import torch
 from macattn.methods.mac.config import MacConfig
 from macattn.runtime.engine_args import EngineArgs
 from macattn.runtime.sampling import MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_TOKEN_IDS
-from macattn.runtime.sampling import SamplingParams as EngineSampling
+from macattn.runtime.sampling import SamplingConfig as EngineSampling
 from macattn.runtime.word_lists import with_bans
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestHandle", "REFUSED"]

@@ -12,8 +12,8 @@ from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.engine import LLMEngine, StepOutput
 from macattn.runtime.engine_dir import read_engine_dir, write_engine_dir
 from macattn.runtime.model_runner import ModelRunner
-from macattn.runtime.sampling import SamplingParams
+from macattn.runtime.sampling import SamplingConfig
 from macattn.runtime.slots import SlotStates, TensorSlotState
 
-__all__ = ["RuntimeConfig", "LLMEngine", "StepOutput", "ModelRunner", "SamplingParams", "SlotStates",
+__all__ = ["RuntimeConfig", "LLMEngine", "StepOutput", "ModelRunner", "SamplingConfig", "SlotStates",
            "TensorSlotState", "read_engine_dir", "write_engine_dir"]

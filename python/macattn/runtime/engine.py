@@ -23,7 +23,7 @@ from macattn.methods.registry import method_class
 
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.executor import ModelExecutor
-from macattn.runtime.sampling import MAX_SEED, SamplingParams
+from macattn.runtime.sampling import MAX_SEED, SamplingConfig
 from macattn.runtime.scheduler import Scheduler
 from macattn.runtime.sequence import Sequence
 from macattn.runtime.slots import SlotStates
@@ -72,7 +72,7 @@ class StepOutput:
     """token: the id generated for ``request_id`` this step (None if it only finished). finish_reason:
     ``"length"``, ``"end_id"`` (the end token, not emitted), ``"stop_token_id"`` (a ``stop_token_ids`` token:
     emitted, it is ``token``) or ``"aborted"``. logits: the ``[V]`` row it was sampled from (before any
-    penalty or bias), on the engine's device. prompt_logprobs: with ``SamplingParams.prompt_logprobs``, on
+    penalty or bias), on the engine's device. prompt_logprobs: with ``SamplingConfig.prompt_logprobs``, on
     the request's first token (the step its prompt completes), one entry per prompt position: None for
     position 0, else ``{prompt token id: logprob, then the top-k ids: logprob}`` (the same list for every
     fork of a prompt)."""
@@ -171,7 +171,7 @@ class LLMEngine:
         return self.executor.model
 
     # --- requests -------------------------------------------------------------------------
-    def make_request(self, input_ids, sampling: SamplingParams | None = None, *, reuse_prefix: bool = False,
+    def make_request(self, input_ids, sampling: SamplingConfig | None = None, *, reuse_prefix: bool = False,
                      n: int = 1, **sampling_kwargs) -> Sequence:
         """Validate and build a request without queueing it (raises on any bad parameter). ``reuse_prefix``:
         load the prompt's KV from the method's prefix store (and persist it there when absent); only a
@@ -179,11 +179,11 @@ class LLMEngine:
         0) carries the other ``n - 1`` in ``forks`` (request ids assigned now, seeds ``seed + i``); ``submit``
         queues them all."""
         if sampling is None:
-            sampling = SamplingParams(**sampling_kwargs)
+            sampling = SamplingConfig(**sampling_kwargs)
         elif sampling_kwargs:
             raise TypeError("pass either sampling or keyword sampling parameters, not both")
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         ids = check_input_ids(input_ids, vocab_size=self.vocab_size)
         self._check_token_ids(sampling)
         total = len(ids) + sampling.max_new_tokens
@@ -208,7 +208,7 @@ class LLMEngine:
                               reuse_prefix=reuse_prefix, index=i, parent=seq) for i in range(1, n)]
         return seq
 
-    def _check_token_ids(self, sampling: SamplingParams) -> None:
+    def _check_token_ids(self, sampling: SamplingConfig) -> None:
         """The token ids and top-k of ``sampling`` against the vocabulary (``ValueError`` naming the field)."""
         V = self.vocab_size
         for name, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]),
@@ -249,7 +249,7 @@ class LLMEngine:
             raise ValueError(f"n={n}: the {n} sequences need {need} KV blocks together, the pool has "
                              f"{blocks.num_blocks}")
 
-    def add_request(self, input_ids, sampling: SamplingParams | None = None, *, n: int | None = None,
+    def add_request(self, input_ids, sampling: SamplingConfig | None = None, *, n: int | None = None,
                     **sampling_kwargs) -> int | list[int]:
         """Validate and queue one request; returns its request id — or, given ``n``, the request ids of the
         ``n`` sequences sampled from the prompt (``make_request``), index order. Raises ``ValueError`` /

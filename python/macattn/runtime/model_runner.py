@@ -40,7 +40,7 @@ from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.engine import LLMEngine
 from macattn.runtime.engine_args import EngineArgs
 from macattn.runtime.engine_dir import read_engine_dir
-from macattn.runtime.sampling import MAX_SEED, SamplingParams
+from macattn.runtime.sampling import MAX_SEED, SamplingConfig
 from macattn.runtime.word_lists import banned_next, ends_with_word, with_bans, words_per_request
 
 __all__ = ["ModelRunner"]
@@ -221,7 +221,7 @@ class ModelRunner:
                  min_p=None, min_tokens=None, stop_words_list=None, bad_words_list=None, streaming: bool = False,
                  return_dict: bool = False, output_sequence_lengths: bool = False, output_log_probs: bool = False,
                  output_cum_log_probs: bool = False, output_generation_logits: bool = False,
-                 sampling_config: SamplingParams | None = None, documents=None, question_ids=None, a3=None, **kwargs):
+                 sampling_config: SamplingConfig | None = None, documents=None, question_ids=None, a3=None, **kwargs):
         """batch_input_ids: list of 1-D integer tensors ``[seq_len]`` (int32/int64).
 
         Chunked RAG prompts (A3 KV fusion, ``docs/a3.md``): ``documents`` is a list with one
@@ -236,7 +236,7 @@ class ModelRunner:
         ``frequency_penalty`` (in [-2, 2], 0 = off), ``min_p`` (in [0, 1], 0 = off) and ``min_tokens`` (the
         end token is banned until the request generated that many; None = 0) take one value
         or one per request (a list or 1-D tensor); None = off (``random_seed`` None: ``EngineArgs.seed``'s
-        generator, else a fresh seed). With ``sampling_config`` (the engine's ``SamplingParams``) the
+        generator, else a fresh seed). With ``sampling_config`` (the engine's ``SamplingConfig``) the
         penalties, ``min_p`` and ``min_tokens`` given here override its own. ``stop_words_list`` /
         ``bad_words_list``: module doc. ``output_log_probs`` / ``output_cum_log_probs`` /
         ``output_generation_logits`` add ``log_probs [batch, 1, max_new_tokens]`` (each generated token's
@@ -260,7 +260,7 @@ class ModelRunner:
                  "frequency_penalty": frequency_penalty, "min_p": min_p, "min_tokens": min_tokens}
         if sampling_config is None:
             greedy = temperature == 0
-            sampling_config = SamplingParams(max_new_tokens=max_new_tokens, end_id=end_id,
+            sampling_config = SamplingConfig(max_new_tokens=max_new_tokens, end_id=end_id,
                                              temperature=1.0 if greedy else temperature, top_k=1 if greedy else top_k,
                                              top_p=0.0 if greedy else top_p)
         params = [self._request_params(sampling_config, b, n, random_seed, extra) for b in range(n)]
@@ -294,7 +294,7 @@ class ModelRunner:
             pass
         return result
 
-    def _request_params(self, base: SamplingParams, b: int, n: int, random_seed, extra: dict) -> SamplingParams:
+    def _request_params(self, base: SamplingConfig, b: int, n: int, random_seed, extra: dict) -> SamplingConfig:
         """Request ``b``'s sampling parameters: ``base`` with the per-request values of ``extra`` (the
         penalties, ``min_p``, ``min_tokens``; None = keep) and its seed (``random_seed``, else the runner's
         seed generator's next draw, else ``base``'s)."""

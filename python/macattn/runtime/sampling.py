@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["SamplingParams", "SamplingRow", "SamplingBatch", "SamplerVariant", "PAD_ROW", "TokenCounts",
+__all__ = ["SamplingConfig", "SamplingRow", "SamplingBatch", "SamplerVariant", "PAD_ROW", "TokenCounts",
            "process_logits", "sample_tokens", "MAX_LOGIT_BIAS", "MAX_STOP_TOKEN_IDS", "BIAS_WIDTH", "MAX_SEED"]
 
 MAX_LOGIT_BIAS = 64
@@ -42,7 +42,7 @@ BIAS_WIDTH = MAX_LOGIT_BIAS + 1 + MAX_STOP_TOKEN_IDS
 (``-inf`` while ``min_tokens`` is not reached)."""
 MAX_SEED = (1 << 63) - 1
 """The largest ``random_seed`` (an int64)."""
-# the parameters that are per-row columns of a batch (``SamplingBatch``), in ``SamplingParams._scalars`` order
+# the parameters that are per-row columns of a batch (``SamplingBatch``), in ``SamplingConfig._scalars`` order
 _PARAM_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty")
 
@@ -67,8 +67,9 @@ def _check_real(name: str, value, lo: float, hi: float, *, lo_open: bool = False
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """One request's sampling and stopping parameters (ranges checked here, each error naming its field):
+class SamplingConfig:
+    """One request's sampling and stopping parameters as the engine runs them (TensorRT-LLM's runtime name;
+    users write ``macattn.SamplingParams``, which builds one; ranges checked here, each error naming its field):
 
     max_new_tokens: tokens to generate, int >= 1. end_id: stop token (not emitted), None = none.
     temperature: float > 0. top_k: int >= 0. top_p: float in [0, 1]. random_seed: int in [0, 2^63 - 1]
@@ -214,13 +215,13 @@ class SamplingRow(NamedTuple):
     """One batch row: the request's ``params`` and ``seed``, the ``position`` of the token being generated
     and how many tokens it ``generated`` before (``min_tokens``)."""
 
-    params: SamplingParams
+    params: SamplingConfig
     seed: int
     position: int
     generated: int = 0
 
 
-PAD_ROW = SamplingRow(SamplingParams(), 0, 0)   # a padding row: greedy, nothing to process
+PAD_ROW = SamplingRow(SamplingConfig(), 0, 0)   # a padding row: greedy, nothing to process
 
 
 class SamplerVariant(NamedTuple):
@@ -234,7 +235,7 @@ class SamplerVariant(NamedTuple):
     penalize: bool
 
     @staticmethod
-    def of(params: list[SamplingParams]) -> "SamplerVariant":
+    def of(params: list[SamplingConfig]) -> "SamplerVariant":
         if not params:
             return SamplerVariant(False, False, False)
         greedy, penalized, biased = zip(*[p._flags for p in params])

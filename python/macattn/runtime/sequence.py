@@ -6,7 +6,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from macattn.runtime.sampling import SamplingParams
+from macattn.runtime.sampling import SamplingConfig
 
 __all__ = ["SequenceStatus", "Sequence", "PrefillChunk"]
 
@@ -31,19 +31,19 @@ class Sequence:
     A request sampled ``n`` times is a parent (``index`` 0, prefilled once) carrying its ``n - 1`` forks in
     ``forks`` until its prompt is prefilled; a fork has ``parent`` set and its own ``index``, seed and
     request id, is admitted with its parent and starts from the parent's prompt (``Scheduler.fork``).
-    ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``): per prompt position, None for position
+    ``prompt_logprobs`` (with ``SamplingConfig.prompt_logprobs``): per prompt position, None for position
     0, else ``{prompt token: logprob, top-k tokens: logprob}``, filled chunk by chunk (shared by the forks).
     """
 
     prompt: list[int]
-    sampling: SamplingParams
+    sampling: SamplingConfig
     request_id: int = field(default_factory=lambda: next(_ids))
     output: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     slot: int | None = None
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None          # "length" | "end_id" | "aborted"
-    seed: int = 0                             # sampling seed (``SamplingParams.make_seed``)
+    seed: int = 0                             # sampling seed (``SamplingConfig.make_seed``)
     # A3 fused prefill: (RagPrompt, A3Config, ChunkKVStore | None); see runtime/a3_assembly.py
     rag: tuple | None = field(default=None, repr=False)
     # the attention method's figures of this request, set when it finishes (``request_metrics``)

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from macattn.runtime.sampling import MAX_LOGIT_BIAS, SamplingParams
+from macattn.runtime.sampling import MAX_LOGIT_BIAS, SamplingConfig
 
 __all__ = ["parse_word_list", "words_per_request", "ends_with_word", "banned_next", "with_bans"]
 
@@ -97,9 +97,9 @@ def banned_next(tokens: list[int], words: list[list[int]]) -> set[int]:
     return {w[-1] for w in words if len(w) == 1 or ends_with_word(tokens, [w[:-1]])}
 
 
-def with_bans(params: SamplingParams, banned: Iterable[int]) -> SamplingParams:
+def with_bans(params: SamplingConfig, banned: Iterable[int]) -> SamplingConfig:
     """``params`` with the ``banned`` token ids at logit bias ``-inf`` (never sampled; any bias given for them
-    is replaced). ``SamplingParams`` validates ``logit_bias`` to the OpenAI range [-100, 100], so the bans are set
+    is replaced). ``SamplingConfig`` validates ``logit_bias`` to the OpenAI range [-100, 100], so the bans are set
     after it: the sampler's bias table takes ``-inf`` (its ``min_tokens`` bans are ``-inf`` too)."""
     banned = set(banned)
     if not banned:
