@@ -69,3 +69,21 @@ def test_random_seed_none_draws_a_fresh_seed():
     p = SamplingConfig(top_k=0, top_p=0.9)
     assert p.make_seed() != p.make_seed()
     assert SamplingConfig(random_seed=5).make_seed() == 5
+
+
+def test_values_the_sampler_cannot_hold_are_refused_by_name():
+    """A top_k or seed past int64 used to pass validation and fail the whole engine step (issue 41)."""
+    import pytest
+
+    from macattn import SamplingParams
+    from macattn.runtime.sampling import SamplingConfig
+
+    with pytest.raises(ValueError, match=r"top_k must be an int in \[0, 2\^63 - 1\]"):
+        SamplingConfig(top_k=2 ** 63)
+    with pytest.raises(ValueError, match=r"random_seed must be an int in \[0, 2\^63 - 1\]"):
+        SamplingConfig(random_seed=2 ** 63)
+    with pytest.raises(ValueError, match="top_k must be an int in"):
+        SamplingParams(top_k=2 ** 63)
+    with pytest.raises(ValueError, match="seed must be an int in"):
+        SamplingParams(seed=2 ** 63)
+    SamplingConfig(top_k=2 ** 63 - 1, random_seed=2 ** 63 - 1)

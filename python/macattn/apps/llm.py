@@ -196,7 +196,7 @@ class SamplingParams:
             raise ValueError(f"not supported by this engine: best_of={self.best_of} > n={self.n} (best_of must be "
                              "None or n)")
         _real("temperature", self.temperature, 0.0, math.inf, "a finite float >= 0 (0 = greedy) or None", none=True)
-        _int("top_k", self.top_k, -1, "an int >= -1 (-1 or 0: no cut; 1: greedy) or None")
+        _int("top_k", self.top_k, -1, "an int in [-1, 2^63 - 1] (-1 or 0: no cut; 1: greedy) or None", hi=(1 << 63) - 1)
         _real("top_p", self.top_p, 0.0, 1.0, "a float in [0, 1] (0 or 1: no cut) or None", none=True)
         _real("min_p", self.min_p, 0.0, 1.0, "a float in [0, 1] (0 = off)")
         _int("seed", self.seed, 0, "an int in [0, 2^63 - 1] or None", hi=MAX_SEED)

@@ -72,7 +72,7 @@ class SamplingConfig:
     users write ``macattn.SamplingParams``, which builds one; ranges checked here, each error naming its field):
 
     max_new_tokens: tokens to generate, int >= 1. end_id: stop token (not emitted), None = none.
-    temperature: float > 0. top_k: int >= 0. top_p: float in [0, 1]. random_seed: int in [0, 2^63 - 1]
+    temperature: float > 0. top_k: int in [0, 2^63 - 1]. top_p: float in [0, 1]. random_seed: int in [0, 2^63 - 1]
     or None (a fresh seed per request). min_p: float in [0, 1] (0 = off). repetition_penalty: float > 0
     (1 = off). presence_penalty / frequency_penalty: float in [-2, 2] (0 = off). logit_bias: a mapping
     (or pairs) token id (int >= 0) -> bias (float in [-100, 100]), at most ``MAX_LOGIT_BIAS`` entries;
@@ -113,8 +113,8 @@ class SamplingConfig:
             raise ValueError(f"temperature must be a finite float > 0, got {self.temperature}")
         if not _is_int(self.top_k):
             raise TypeError(f"top_k must be an int >= 0, got {type(self.top_k).__name__} {self.top_k!r}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = no top-k cut), got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_SEED:      # the sampler holds it as int64
+            raise ValueError(f"top_k must be an int in [0, 2^63 - 1] (0 = no top-k cut), got {self.top_k}")
         if not _is_real(self.top_p):
             raise TypeError(f"top_p must be a float in [0, 1], got {type(self.top_p).__name__} {self.top_p!r}")
         if not (math.isfinite(self.top_p) and 0.0 <= self.top_p <= 1.0):
