@@ -76,9 +76,42 @@ def test_tampered_entry_rejected(tmp_path, tamper):
         path.write_bytes(data[: len(data) // 2])
     else:
         save_file(t, str(path), metadata=meta)
-    with pytest.raises(ChunkStoreIntegrityError, match="rejected|unreadable"):
-        store.get(ids, torch.float32)
+    with pytest.warns(RuntimeWarning, match="(rejected|unreadable).*quarantined"):
+        assert store.get(ids, torch.float32) is None          # a miss: the caller recomputes the entry
+    assert store.quarantined == 1 and not path.exists()
+    assert len(list((tmp_path / ".quarantine").iterdir())) == 1
+    assert store.get(ids, torch.float32) is None and store.quarantined == 1   # gone, not failing again
     assert issubclass(ChunkStoreIntegrityError, ValueError)
+
+
+def test_entries_that_are_not_files_or_too_large_are_quarantined_unread(tmp_path):
+    """A FIFO or a huge (sparse) file under an entry's name is never opened for reading (issue 41)."""
+    store = ChunkKVStore(tmp_path, model_id="m", max_bytes=1 << 20)
+    ids = torch.arange(6)
+    os.mkfifo(store.path(store.key(ids, torch.float32)))
+    with pytest.warns(RuntimeWarning, match="not a regular file"):
+        assert store.get(ids, torch.float32) is None
+    big = store.path(store.key(torch.arange(7), torch.float32))
+    with open(big, "wb") as f:
+        f.truncate(1 << 30)                                   # 1 GiB, sparse
+    with pytest.warns(RuntimeWarning, match="over the store's max_bytes"):
+        assert store.get(torch.arange(7), torch.float32) is None
+    assert store.quarantined == 2
+
+
+def test_a_failed_write_is_dropped_with_a_warning(tmp_path, monkeypatch):
+    import macattn.runtime.chunk_store as cs
+
+    store = ChunkKVStore(tmp_path, model_id="m")
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cs, "save_file", full_disk)
+    k, v = _kv(6)
+    with pytest.warns(RuntimeWarning, match="not written.*No space left"):
+        store.put(torch.arange(6), k, v)
+    assert store.write_failures == 1 and not store.entries() and not list(tmp_path.glob(".*.tmp"))
 
 
 def test_bad_arguments(tmp_path):

@@ -8,13 +8,17 @@ Tensors: ``k``, ``v`` ``[num_layers, T, Hkv, d]`` (keys *before* RoPE, computed 
 ``token_ids``, ``k``, ``v``), ``k_shape``, ``v_shape``, ``dtype``, ``num_layers``,
 ``num_tokens``, ``layout`` and ``created`` (unix time).
 
-Integrity on load: the file's metadata key / model id / tokenizer id / dtype / shapes /
-token ids must match the request and the payload hash must match the bytes; otherwise
-``ChunkStoreIntegrityError`` (a ``ValueError``) is raised and the entry is never used.
-Writers save to a unique temporary file in the same directory and ``os.replace`` it into
-place, so readers (threads or processes) see either no file or a whole one. The store is
-bounded by ``max_bytes``: after each write, least recently used entries (file mtime,
-refreshed on every hit) are deleted until the total fits.
+Integrity on load: the entry must be a regular file no larger than the store's bound; its header is
+read first (memory-mapped, not the whole file) and its metadata key / model id / tokenizer id / dtype /
+shapes / token ids must match the request, then the payload hash must match the bytes. An entry that
+fails any check is moved to ``.quarantine/`` beside the entries (``quarantined`` counts them, a warning
+names it) and the lookup is a miss: the caller recomputes it (A3 recomputes the chunk, the completion
+method prefills the prompt) — a bad entry never fails a request twice, nor any request at all.
+Writers save to a unique temporary file in the same directory and ``os.replace`` it into place, so
+readers (threads or processes) see either no file or a whole one; a write that fails (a full disk, a
+read-only directory) is dropped with a warning (``write_failures``). The store is bounded by
+``max_bytes``: after each write, least recently used entries (file mtime, refreshed on every hit) are
+deleted until the total fits.
 
 The same store keeps prompt prefixes for the offloaded completion method (``prefix_store``): keys
 *after* RoPE, as the KV cache holds them, under their own layout tag (``PREFIX_LAYOUT``), so a prefix
@@ -24,13 +28,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import stat
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import torch
-from safetensors.torch import load, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from macattn.models.attention import capture_pre_rope_kv, plain_attention
 
@@ -40,6 +48,8 @@ __all__ = ["LAYOUT", "PREFIX_LAYOUT", "ChunkStoreIntegrityError", "ChunkKVStore"
 LAYOUT = "macattn-a3-v1:k_pre_rope,v:[layers,tokens,kv_heads,head_dim]"
 PREFIX_LAYOUT = "macattn-prefix-v1:k_post_rope,v:[layers,tokens,kv_heads,head_dim]"
 _SUFFIX = ".safetensors"
+_QUARANTINE = ".quarantine"
+_log = logging.getLogger(__name__)
 
 
 class ChunkStoreIntegrityError(ValueError):
@@ -94,7 +104,7 @@ class ChunkKVStore:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.model_id, self.tokenizer_id, self.max_bytes, self.layout = model_id, tokenizer_id, max_bytes, layout
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.quarantined = self.write_failures = 0
 
     def key(self, token_ids, dtype: torch.dtype) -> str:
         ids = _ids_tensor(token_ids)
@@ -138,6 +148,11 @@ class ChunkKVStore:
         try:
             save_file({"token_ids": ids, "k": k, "v": v}, str(tmp), metadata=meta)
             os.replace(tmp, self.path(key))
+        except OSError as exc:          # a full disk or a read-only store: the entry is dropped, the request runs on
+            self.write_failures += 1
+            warnings.warn(f"chunk store {self.directory}: entry {key[:16]} not written ({exc}); dropped",
+                          RuntimeWarning, stacklevel=2)
+            return key
         finally:
             tmp.unlink(missing_ok=True)
         self._evict(keep=self.path(key))
@@ -164,23 +179,20 @@ class ChunkKVStore:
 
     # --- read -----------------------------------------------------------------------------
     def get(self, token_ids, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The verified ``(k, v)`` of chunk ``token_ids`` in ``dtype``, or None when absent.
-        Raises ``ChunkStoreIntegrityError`` for an entry that fails any check."""
+        """The verified ``(k, v)`` of chunk ``token_ids`` in ``dtype``, or None when absent — or when the entry
+        fails a check, which quarantines it (module doc)."""
         ids = _ids_tensor(token_ids)
         key = self.key(ids, dtype)
         path = self.path(key)
-        try:   # one read of one inode: metadata and tensors can't come from two versions of the file
-            data = path.read_bytes()
+        try:
+            tensors = self._read(path, key, ids, dtype)
         except FileNotFoundError:
             self.misses += 1
             return None
-        try:
-            header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
-            meta = header.get("__metadata__") or {}
-            tensors = load(data)
-        except Exception as exc:   # truncated / not a safetensors file
-            raise ChunkStoreIntegrityError(f"chunk store entry {path.name} is unreadable: {exc}") from None
-        self._verify(path, key, ids, dtype, meta, tensors)
+        except ChunkStoreIntegrityError as exc:
+            self._quarantine(path, exc)
+            self.misses += 1
+            return None
         try:
             os.utime(path)   # LRU access time
         except FileNotFoundError:
@@ -188,16 +200,61 @@ class ChunkKVStore:
         self.hits += 1
         return tensors["k"], tensors["v"]
 
+    def _read(self, path: Path, key: str, ids: torch.Tensor, dtype: torch.dtype) -> dict:
+        """The entry's tensors, checked: a regular file within the store's bound, the header before the tensors
+        (memory-mapped), then the payload hash. Raises ``FileNotFoundError`` or ``ChunkStoreIntegrityError``."""
+        st = path.lstat()
+        if not stat.S_ISREG(st.st_mode):
+            raise ChunkStoreIntegrityError(f"chunk store entry {path.name} is not a regular file")
+        if self.max_bytes is not None and st.st_size > self.max_bytes:
+            raise ChunkStoreIntegrityError(f"chunk store entry {path.name} has {st.st_size} bytes, over the store's "
+                                           f"max_bytes={self.max_bytes}")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                self._verify_meta(path, key, dtype, meta)
+                names = set(f.keys())
+                if names != {"token_ids", "k", "v"}:
+                    raise ChunkStoreIntegrityError(f"chunk store entry {path.name} rejected: tensors are "
+                                                   f"{sorted(names)}, expected ['k', 'token_ids', 'v']")
+                for name in ("k", "v"):        # shapes from the header, before any tensor is read
+                    shape = list(f.get_slice(name).get_shape())
+                    if json.dumps(shape) != meta.get(f"{name}_shape") or len(shape) != 4 or shape[1] != ids.numel():
+                        raise ChunkStoreIntegrityError(f"chunk store entry {path.name} rejected: {name} header "
+                                                       f"shape {shape} does not fit {ids.numel()} tokens")
+                tensors = {n: f.get_tensor(n) for n in names}
+        except ChunkStoreIntegrityError:
+            raise
+        except FileNotFoundError:
+            raise
+        except Exception as exc:   # truncated / not a safetensors file
+            raise ChunkStoreIntegrityError(f"chunk store entry {path.name} is unreadable: {exc}") from None
+        self._verify(path, key, ids, dtype, meta, tensors)
+        return tensors
+
+    def _quarantine(self, path: Path, exc: Exception) -> None:
+        """Move a bad entry out of the way (``.quarantine/``; deleted when it cannot be moved)."""
+        self.quarantined += 1
+        qdir = self.directory / _QUARANTINE
+        try:
+            qdir.mkdir(exist_ok=True)
+            os.replace(path, qdir / f"{path.name}.{uuid.uuid4().hex[:8]}")
+        except OSError:
+            path.unlink(missing_ok=True)
+        warnings.warn(f"{exc}; quarantined, the entry is recomputed", RuntimeWarning, stacklevel=3)
+        _log.warning("%s; quarantined", exc)
+
+    def _verify_meta(self, path, key, dtype, meta) -> None:
+        for name, want in (("key", key), ("model_id", self.model_id), ("tokenizer_id", self.tokenizer_id),
+                           ("layout", self.layout), ("dtype", str(dtype))):
+            if meta.get(name) != want:
+                raise ChunkStoreIntegrityError(f"chunk store entry {path.name} rejected: {name} is "
+                                               f"{meta.get(name)!r}, expected {want!r}")
+
     def _verify(self, path, key, ids, dtype, meta, tensors) -> None:
         def fail(what):
             raise ChunkStoreIntegrityError(f"chunk store entry {path.name} rejected: {what}")
 
-        for name, want in (("key", key), ("model_id", self.model_id), ("tokenizer_id", self.tokenizer_id),
-                           ("layout", self.layout), ("dtype", str(dtype))):
-            if meta.get(name) != want:
-                fail(f"{name} is {meta.get(name)!r}, expected {want!r}")
-        if set(tensors) != {"token_ids", "k", "v"}:
-            fail(f"tensors are {sorted(tensors)}, expected ['k', 'token_ids', 'v']")
         k, v, stored_ids = tensors["k"], tensors["v"], tensors["token_ids"]
         for name, t in (("k", k), ("v", v)):
             if json.dumps(list(t.shape)) != meta.get(f"{name}_shape") or str(t.dtype) != str(dtype):

@@ -20,7 +20,8 @@ _KEYS = ("completion", "maps", "kv_offload", "offload", "prefix_store")
 
 
 def completion_method(model, method: str, *, completion=None, maps=None, kv_offload=None, offload=None,
-                      prefix_store=None) -> tuple[str, CompletionConfig | None, dict | None]:
+                      prefix_store=None, prefix_store_max_bytes: int | None = None
+                      ) -> tuple[str, CompletionConfig | None, dict | None]:
     """The engine's ``(method name, method_config, method_kwargs)``. ``completion``: a ``CompletionConfig``
     (default: exhaustive, or ``"quest"`` with ``kv_offload``); ``maps``: a ``CompletionFeatureMaps``, a
     ``save_feature_maps`` directory, or None (untrained init); ``kv_offload``: None or ``"host"``; ``offload``:
@@ -45,5 +46,6 @@ def completion_method(model, method: str, *, completion=None, maps=None, kv_offl
         return "completion", cfg, {"maps": maps}
     if offload is not None and not isinstance(offload, OffloadConfig):
         raise TypeError(f"offload must be an OffloadConfig, got {type(offload).__name__}")
-    store = None if prefix_store is None else make_prefix_store(prefix_store, model_id=model_fingerprint(model))
+    store = None if prefix_store is None else make_prefix_store(prefix_store, model_id=model_fingerprint(model),
+                                                                max_bytes=prefix_store_max_bytes)
     return "completion_offload", cfg, {"maps": maps, "offload": offload, "store": store}

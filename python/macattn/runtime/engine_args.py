@@ -77,6 +77,9 @@ class EngineArgs:
     """method completion: 'host' keeps the prompt KV in host memory and fetches the selected pages per step"""
     prefix_store: str | None = None
     """method completion with kv_offload host: directory where prompts' KV persist (requests ask reuse_prefix)"""
+    prefix_store_max_bytes: int | None = None
+    """bound of the prefix store in bytes: least recently used entries are evicted past it, and no entry larger
+    than it is read (default: unbounded)"""
     max_batch_size: int = 8
     """requests decoded together at most (state slots)"""
     max_seq_len: int | None = None
@@ -122,10 +125,13 @@ class EngineArgs:
                              "retrieval-completion's prefix_store persists whole prompts): pass False")
         if self.seed is not None and not 0 <= self.seed < 2 ** 63:
             raise ValueError(f"seed must be an int in [0, 2^63 - 1] or None, got {self.seed!r}")
+        if self.prefix_store_max_bytes is not None and self.prefix_store_max_bytes < 1:
+            raise ValueError(f"prefix_store_max_bytes must be an int >= 1 or None, got {self.prefix_store_max_bytes}")
         if self.kv_offload not in (None, "host"):
             raise ValueError(f"kv_offload must be None or 'host', got {self.kv_offload!r}")
         if self.method not in ("completion", "completion_offload"):
-            given = [n for n in ("completion_maps", "kv_offload", "prefix_store") if getattr(self, n) is not None]
+            given = [n for n in ("completion_maps", "kv_offload", "prefix_store", "prefix_store_max_bytes")
+                     if getattr(self, n) is not None]
             if given:
                 raise ValueError(f"{given[0]} is retrieval-completion's option; method={self.method!r} takes none")
         if self.dtype not in DTYPES:
@@ -216,6 +222,7 @@ class EngineArgs:
             name, method_config, method_kwargs = completion_method(
                 model, "completion" if completion_like else self.method, completion=completion,
                 maps=self.completion_maps, offload=offload, prefix_store=self.prefix_store,
+                prefix_store_max_bytes=self.prefix_store_max_bytes,
                 kv_offload="host" if self.method == "completion_offload" else self.kv_offload)
         config = self.runtime_config()
         blocks = self.kv_blocks_from_memory(model)
