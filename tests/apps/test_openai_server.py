@@ -512,3 +512,36 @@ def test_async_streams_interleave_and_equal_their_solo_outputs(server):
         return dict(zip(prompts, await asyncio.gather(*(one(p) for p in prompts))))
 
     assert asyncio.run(run()) == solo
+
+
+def test_metrics_follow_each_requests_final_state_after_engine_failures():
+    """A failing engine step: each request in flight ends as a 500 (counted as 500, streamed or not, never
+    499), the running gauge is back to 0, and the next request runs (issue 41, metrics from the final state)."""
+    from fastapi.testclient import TestClient
+
+    llm = LLM("builtin", max_batch_size=4, max_seq_len=128)
+    real, calls = llm.engine.step, {"n": 0}
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] in (2, 3):
+            raise RuntimeError("injected step failure")
+        return real()
+
+    llm.engine.step = failing_step
+    try:
+        with TestClient(build_app(llm, "builtin")) as c:
+            r = c.post("/v1/completions", json={"model": "builtin", "prompt": "In the", "max_tokens": 8})
+            assert r.status_code == 500 and "injected step failure" in r.text
+            with c.stream("POST", "/v1/completions", json={"model": "builtin", "prompt": "In the", "max_tokens": 8,
+                                                         "stream": True}) as s:
+                body = "".join(s.iter_text())
+            assert "injected step failure" in body and body.rstrip().endswith("data: [DONE]")
+            ok = c.post("/v1/completions", json={"model": "builtin", "prompt": "In the", "max_tokens": 4})
+            assert ok.status_code == 200
+            text = c.get("/metrics").text
+    finally:
+        llm.shutdown()
+    assert 'macattn_requests_total{endpoint="/v1/completions",status="500"} 2.0' in text
+    assert 'status="499"' not in text
+    assert "macattn_requests_running 0.0" in text

@@ -571,7 +571,7 @@ class _Server:
                 body["usage"] = usage or _usage(jobs, list(last.values()), hide)
             return f"data: {json.dumps(body)}\n\n"
 
-        finished_ok = False
+        finished_ok = failed = False
         try:
             if chat:     # OpenAI's first chunk of each choice: the role
                 for idx in range(req.n):
@@ -630,6 +630,7 @@ class _Server:
             yield "data: [DONE]\n\n"
             finished_ok = True
         except Exception as exc:   # noqa: BLE001 - the engine failed mid-stream: tell the client, then end
+            failed = True
             logger.exception("stream failed")
             yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
             yield "data: [DONE]\n\n"
@@ -638,9 +639,9 @@ class _Server:
                 j.handle.abort()
             if finished_ok and len(last) == len(jobs) and all(o.finished for o in last.values()):
                 self.done(endpoint, list(last.values()))
-            else:
+            else:      # the server failed the stream (500) or the client left it (499)
                 self.metrics.running.dec()
-                self.metrics.requests.labels(endpoint, "499").inc()
+                self.metrics.requests.labels(endpoint, "500" if failed else "499").inc()
 
 
 def _usage(jobs: list[_Job], outs: list[RequestOutput], hide: bool) -> dict:
