@@ -8,8 +8,8 @@ Tensors: ``k``, ``v`` ``[num_layers, T, Hkv, d]`` (keys *before* RoPE, computed 
 ``token_ids``, ``k``, ``v``), ``k_shape``, ``v_shape``, ``dtype``, ``num_layers``,
 ``num_tokens``, ``layout`` and ``created`` (unix time).
 
-Integrity on load: the entry must be a regular file no larger than the store's bound; its header is
-read first (memory-mapped, not the whole file) and its metadata key / model id / tokenizer id / dtype /
+Integrity on load, through one open file (one version of the entry whatever writers do): it must be a
+regular file no larger than the store's bound; its header is read and checked before the payload — metadata key / model id / tokenizer id / dtype /
 shapes / token ids must match the request, then the payload hash must match the bytes. An entry that
 fails any check is moved to ``.quarantine/`` beside the entries (``quarantined`` counts them, a warning
 names it) and the lookup is a miss: the caller recomputes it (A3 recomputes the chunk, the completion
@@ -37,8 +37,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load, save_file
 
 from macattn.models.attention import capture_pre_rope_kv, plain_attention
 
@@ -53,7 +52,10 @@ _log = logging.getLogger(__name__)
 
 
 class ChunkStoreIntegrityError(ValueError):
-    """A stored chunk entry is tampered with, truncated or belongs to another model / chunk."""
+    """A stored chunk entry is tampered with, truncated or belongs to another model / chunk (``inode``: the
+    file that was read, when known)."""
+
+    inode: int | None = None
 
 
 def _ids_tensor(token_ids) -> torch.Tensor:
@@ -184,13 +186,14 @@ class ChunkKVStore:
         ids = _ids_tensor(token_ids)
         key = self.key(ids, dtype)
         path = self.path(key)
+        inode = None
         try:
-            tensors = self._read(path, key, ids, dtype)
+            tensors, inode = self._read(path, key, ids, dtype)
         except FileNotFoundError:
             self.misses += 1
             return None
         except ChunkStoreIntegrityError as exc:
-            self._quarantine(path, exc)
+            self._quarantine(path, exc, exc.inode)
             self.misses += 1
             return None
         try:
@@ -200,45 +203,69 @@ class ChunkKVStore:
         self.hits += 1
         return tensors["k"], tensors["v"]
 
-    def _read(self, path: Path, key: str, ids: torch.Tensor, dtype: torch.dtype) -> dict:
-        """The entry's tensors, checked: a regular file within the store's bound, the header before the tensors
-        (memory-mapped), then the payload hash. Raises ``FileNotFoundError`` or ``ChunkStoreIntegrityError``."""
-        st = path.lstat()
-        if not stat.S_ISREG(st.st_mode):
-            raise ChunkStoreIntegrityError(f"chunk store entry {path.name} is not a regular file")
-        if self.max_bytes is not None and st.st_size > self.max_bytes:
-            raise ChunkStoreIntegrityError(f"chunk store entry {path.name} has {st.st_size} bytes, over the store's "
-                                           f"max_bytes={self.max_bytes}")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
+    def _read(self, path: Path, key: str, ids: torch.Tensor, dtype: torch.dtype) -> tuple[dict, int]:
+        """The entry's tensors and inode, through one open file (one version of it, whatever writers do): a
+        regular file within the store's bound, its header checked before the payload is read, then the payload
+        hash. Raises ``FileNotFoundError`` or ``ChunkStoreIntegrityError``."""
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))   # a FIFO must not block the open
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+
+            def bad(what: str) -> ChunkStoreIntegrityError:
+                err = ChunkStoreIntegrityError(f"chunk store entry {path.name} {what}")
+                err.inode = st.st_ino
+                return err
+
+            if not stat.S_ISREG(st.st_mode):
+                raise bad("is not a regular file")
+            if self.max_bytes is not None and st.st_size > self.max_bytes:
+                raise bad(f"has {st.st_size} bytes, over the store's max_bytes={self.max_bytes}")
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= min(st.st_size - 8, 1 << 24):
+                raise bad("is unreadable: no safetensors header")
+            try:
+                header = json.loads(f.read(n))
+                meta = header.get("__metadata__") or {}
+            except ValueError as exc:
+                raise bad(f"is unreadable: {exc}") from None
+            try:
                 self._verify_meta(path, key, dtype, meta)
-                names = set(f.keys())
-                if names != {"token_ids", "k", "v"}:
-                    raise ChunkStoreIntegrityError(f"chunk store entry {path.name} rejected: tensors are "
-                                                   f"{sorted(names)}, expected ['k', 'token_ids', 'v']")
-                for name in ("k", "v"):        # shapes from the header, before any tensor is read
-                    shape = list(f.get_slice(name).get_shape())
+                for name in ("k", "v"):        # shapes from the header, before the payload is read
+                    shape = (header.get(name) or {}).get("shape")
                     if json.dumps(shape) != meta.get(f"{name}_shape") or len(shape) != 4 or shape[1] != ids.numel():
                         raise ChunkStoreIntegrityError(f"chunk store entry {path.name} rejected: {name} header "
                                                        f"shape {shape} does not fit {ids.numel()} tokens")
-                tensors = {n: f.get_tensor(n) for n in names}
-        except ChunkStoreIntegrityError:
-            raise
-        except FileNotFoundError:
-            raise
-        except Exception as exc:   # truncated / not a safetensors file
-            raise ChunkStoreIntegrityError(f"chunk store entry {path.name} is unreadable: {exc}") from None
-        self._verify(path, key, ids, dtype, meta, tensors)
-        return tensors
-
-    def _quarantine(self, path: Path, exc: Exception) -> None:
-        """Move a bad entry out of the way (``.quarantine/``; deleted when it cannot be moved)."""
-        self.quarantined += 1
-        qdir = self.directory / _QUARANTINE
+            except ChunkStoreIntegrityError as exc:
+                exc.inode = st.st_ino
+                raise
+            f.seek(0)
+            raw = f.read()
         try:
-            qdir.mkdir(exist_ok=True)
-            os.replace(path, qdir / f"{path.name}.{uuid.uuid4().hex[:8]}")
+            tensors = load(raw)
+        except Exception as exc:   # truncated / not a safetensors file
+            raise bad(f"is unreadable: {exc}") from None
+        try:
+            if set(tensors) != {"token_ids", "k", "v"}:
+                raise ChunkStoreIntegrityError(f"chunk store entry {path.name} rejected: tensors are "
+                                               f"{sorted(tensors)}, expected ['k', 'token_ids', 'v']")
+            self._verify(path, key, ids, dtype, meta, tensors)
+        except ChunkStoreIntegrityError as exc:
+            exc.inode = st.st_ino
+            raise
+        return tensors, st.st_ino
+
+    def _quarantine(self, path: Path, exc: Exception, inode: int | None) -> None:
+        """Move a bad entry out of the way (``.quarantine/``; deleted when it cannot be moved) — only the file
+        that was read: a writer may have replaced it with a whole entry since."""
+        self.quarantined += 1
+        try:
+            if inode is None or os.lstat(path).st_ino == inode:
+                qdir = self.directory / _QUARANTINE
+                qdir.mkdir(exist_ok=True)
+                os.replace(path, qdir / f"{path.name}.{uuid.uuid4().hex[:8]}")
+        except FileNotFoundError:
+            pass
         except OSError:
             path.unlink(missing_ok=True)
         warnings.warn(f"{exc}; quarantined, the entry is recomputed", RuntimeWarning, stacklevel=3)
