@@ -9,12 +9,10 @@ MAC's hooks are checked against its own per-layer bookkeeping with its kernel pl
 GPU tests, ``test_cuda_decode_gpu.py``, run them for real)."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
-from macattn.core.attention import full_attention_reference
 from macattn.methods.base import AttentionMethod, DecodePlans, FullDecodePlans, ModelDims
 from macattn.methods.full.backend import FullAttention
 from macattn.methods.full.config import FullConfig
@@ -28,21 +26,8 @@ from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.cuda_decode import CudaDecoder
 from macattn.runtime.engine import MethodSpec, LLMEngine
 
+from _paged_reference import PagedReference
 from _tiny import prompts, tiny_model
-
-
-class _PagedReference(DecodePlans):
-    """Full attention over each row's pages ``[0, m]`` through the bucket's page table, in plain torch."""
-
-    def attend_full(self, q, k_pages, v_pages, positions):
-        ps, out = self.geometry.page_size, []
-        for b in range(q.shape[0]):
-            n = int(positions[b]) + 1
-            blocks = self.page_table[b, : -(-n // ps)].long()
-            k, v = (t[blocks].flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0) for t in (k_pages, v_pages))
-            out.append(full_attention_reference(q[b:b + 1], k, v, positions[b:b + 1],
-                                                scale=1.0 / math.sqrt(q.shape[-1])).to(q.dtype))
-        return torch.cat(out)
 
 
 class _Hooked(FullAttention):
@@ -56,7 +41,7 @@ class _Hooked(FullAttention):
 
     def decode_plans(self, geometry, rows):
         self.log.append(("plans", geometry.batch_size))
-        return _PagedReference(geometry, rows)
+        return PagedReference(geometry, rows)
 
     def decode_graph_key(self):
         return self.key
@@ -109,13 +94,13 @@ def test_the_gpu_decode_drives_the_method_hooks_and_equals_the_cpu_decode(monkey
     dones = [e for e in log if e[0] == "done"]
     assert records and len(records) == len(dones)
     for (_, key, valid), (_, B, kind) in zip(records, dones):
-        assert key == "variant-a" and kind == "_PagedReference"
+        assert key == "variant-a" and kind == "PagedReference"
         assert valid == [1.0] * B + [0.0] * (len(valid) - B)        # padding rows weigh 0
     # the step key: (the sampler variant: argmax only, the method's key); the plans are made once per bucket
     dec = eng.executor.decoder
     assert dec.step_key([]) == ((False, False, False), "variant-a")
     assert sorted(e[1] for e in log if e[0] == "plans") == sorted(dec.buckets)      # once per bucket
-    assert all(isinstance(b.plans, _PagedReference) for b in dec.buckets.values())
+    assert all(isinstance(b.plans, PagedReference) for b in dec.buckets.values())
 
 
 def test_the_default_hooks():

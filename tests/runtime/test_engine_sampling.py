@@ -5,14 +5,11 @@ from and its own history, on the CPU decode and on ``CudaDecoder``'s step (eager
 that a CUDA graph captures, with the bucket's static inputs); default requests keep their tokens."""
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
-import torch
 
-from macattn.core.attention import full_attention_reference
-from macattn.methods.base import DecodePlans, ModelDims
+from macattn.methods.base import ModelDims
 from macattn.methods.full.backend import FullAttention
 from macattn.methods.full.config import FullConfig
 from macattn.runtime.config import RuntimeConfig
@@ -21,28 +18,15 @@ from macattn.runtime.engine import LLMEngine
 from macattn.runtime.sampling import SamplingConfig
 
 from _sampler_ref import reference_token
+from _paged_reference import PagedReference
 from _tiny import MAC, prompts, tiny_model
 
 V = 256
 
 
-class _PagedReference(DecodePlans):
-    """Full attention over each row's pages ``[0, m]`` through the bucket's page table, in plain torch."""
-
-    def attend_full(self, q, k_pages, v_pages, positions):
-        ps, out = self.geometry.page_size, []
-        for b in range(q.shape[0]):
-            n = int(positions[b]) + 1
-            blocks = self.page_table[b, : -(-n // ps)].long()
-            k, v = (t[blocks].flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0) for t in (k_pages, v_pages))
-            out.append(full_attention_reference(q[b:b + 1], k, v, positions[b:b + 1],
-                                                scale=1.0 / math.sqrt(q.shape[-1])).to(q.dtype))
-        return torch.cat(out)
-
-
 class _PagedFull(FullAttention):
     def decode_plans(self, geometry, rows):
-        return _PagedReference(geometry, rows)
+        return PagedReference(geometry, rows)
 
 
 def _engine(kind: str, *, slots: int = 3, budget: int | None = 11) -> LLMEngine:
