@@ -13,10 +13,8 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -28,31 +26,18 @@ uvicorn = pytest.importorskip("uvicorn")
 from macattn.apps.llm import LLM, SamplingParams  # noqa: E402
 from macattn.apps.serving.openai_protocol import FIELDS  # noqa: E402
 from macattn.apps.serving.openai_server import build_app, chat_prompt  # noqa: E402
+from _serving import free_port, serving  # noqa: E402
 from macattn.methods.mac.config import MacConfig  # noqa: E402
 
 PROMPTS = ["The Lord is my shepherd", "In the beginning God created", "And it came to pass", "Blessed are"]
 LLM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
     llm = LLM("builtin", max_batch_size=4, mac=MacConfig(window=64, band=8))
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(llm, "builtin"), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    yield llm, f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=30)
-    llm.shutdown()
+    with serving(llm) as url:
+        yield llm, url
 
 
 def _client(url):
@@ -451,7 +436,7 @@ def test_health_and_metrics(server):
 
 
 def test_sigterm_with_a_request_in_flight_exits_cleanly():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "macattn.cli", "serve", "--model", "builtin", "--port",
                              str(port), "--grace-period", "5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)

@@ -13,11 +13,8 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -26,33 +23,18 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from macattn.apps.llm import LLM, SamplingParams  # noqa: E402
-from macattn.apps.serving.openai_server import build_app  # noqa: E402
+from _serving import serving  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Who made the light?"}]
 PROMPT = "In the beginning God created"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served():
     llm = LLM("builtin", max_batch_size=4)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(llm, "builtin"), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", max_retries=0)
-    yield llm, client
-    srv.should_exit = True
-    thread.join(timeout=30)
-    llm.shutdown()
+    with serving(llm) as url:
+        yield llm, openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
 
 
 def test_the_chat_stream_loop(served):

@@ -7,7 +7,7 @@ import torch
 from macattn.core.attention import full_attention_reference
 from macattn.methods.base import DecodePlans
 
-__all__ = ["PagedReference"]
+__all__ = ["PagedReference", "attach_cpu_decoder"]
 
 
 class PagedReference(DecodePlans):
@@ -22,3 +22,15 @@ class PagedReference(DecodePlans):
             out.append(full_attention_reference(q[b:b + 1], k, v, positions[b:b + 1],
                                                 scale=1.0 / math.sqrt(q.shape[-1])).to(q.dtype))
         return torch.cat(out)
+
+
+def attach_cpu_decoder(engine) -> None:
+    """Run ``engine``'s decode through ``CudaDecoder`` eagerly on the CPU, with the bookkeeping the GPU path
+    has: a scratch state slot and a scratch KV block of its own for the padding rows."""
+    from macattn.runtime.cuda_decode import CudaDecoder
+
+    ex = engine.executor
+    ex.reserve_scratch(engine.slot_states.acquire())
+    ex.scratch_block = ex.blocks.num_blocks - 1
+    ex.blocks.free_blocks.remove(ex.scratch_block)
+    ex.decoder = CudaDecoder(ex, use_cuda_graphs=False)

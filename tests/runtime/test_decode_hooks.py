@@ -23,10 +23,9 @@ from macattn.methods.mac.state import MacDiagnostics
 from macattn.methods.registry import METHODS
 from macattn.runtime import step_inputs
 from macattn.runtime.config import RuntimeConfig
-from macattn.runtime.cuda_decode import CudaDecoder
 from macattn.runtime.engine import MethodSpec, LLMEngine
 
-from _paged_reference import PagedReference
+from _paged_reference import PagedReference, attach_cpu_decoder
 from _tiny import prompts, tiny_model
 
 
@@ -69,12 +68,8 @@ def _engine(decoder: bool) -> LLMEngine:
     dims = ModelDims.of(model)
     eng = LLMEngine(model, None, RuntimeConfig(max_batch_size=4, max_seq_len=128, num_blocks=64),
                     method=lambda n: _Hooked(FullConfig(), dims, num_slots=n))
-    if decoder:     # the GPU decode's bookkeeping, on the CPU: a scratch slot and a scratch block of its own
-        ex = eng.executor
-        ex.reserve_scratch(eng.slot_states.acquire())
-        ex.scratch_block = ex.blocks.num_blocks - 1
-        ex.blocks.free_blocks.remove(ex.scratch_block)
-        ex.decoder = CudaDecoder(ex, use_cuda_graphs=False)
+    if decoder:     # the GPU decode's step, eagerly on the CPU
+        attach_cpu_decoder(eng)
     return eng
 
 

@@ -13,12 +13,11 @@ from macattn.methods.base import ModelDims
 from macattn.methods.full.backend import FullAttention
 from macattn.methods.full.config import FullConfig
 from macattn.runtime.config import RuntimeConfig
-from macattn.runtime.cuda_decode import CudaDecoder
 from macattn.runtime.engine import LLMEngine
 from macattn.runtime.sampling import SamplingConfig
 
 from _sampler_ref import reference_token
-from _paged_reference import PagedReference
+from _paged_reference import PagedReference, attach_cpu_decoder
 from _tiny import MAC, prompts, tiny_model
 
 V = 256
@@ -37,12 +36,8 @@ def _engine(kind: str, *, slots: int = 3, budget: int | None = 11) -> LLMEngine:
     dims = ModelDims.of(model)
     extra = kind == "bucketed"          # the scratch slot of the GPU decode's padding rows
     eng = LLMEngine(model, None, rc, method=lambda n: _PagedFull(FullConfig(), dims, num_slots=n + extra))
-    if kind == "bucketed":     # the GPU decode's step on the CPU: a scratch slot and block of its own
-        ex = eng.executor
-        ex.reserve_scratch(eng.slot_states.acquire())
-        ex.scratch_block = ex.blocks.num_blocks - 1
-        ex.blocks.free_blocks.remove(ex.scratch_block)
-        ex.decoder = CudaDecoder(ex, use_cuda_graphs=False)
+    if kind == "bucketed":     # the GPU decode's step, eagerly on the CPU
+        attach_cpu_decoder(eng)
     return eng
 
 

@@ -1,0 +1,33 @@
+"""The OpenAI-compatible app served by uvicorn on 127.0.0.1 in a thread, for the tests that talk to it over HTTP."""
+import contextlib
+import socket
+import threading
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(llm, name: str = "builtin"):
+    """Serve ``llm`` (``build_app``) until the block ends; yields the base URL ``http://127.0.0.1:PORT``. The LLM is
+    shut down afterwards."""
+    import uvicorn
+
+    from macattn.apps.serving.openai_server import build_app
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(llm, name), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+        llm.shutdown()
