@@ -185,6 +185,15 @@ def _free_bytes(device: torch.device) -> int | None:
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
+def _pick_best(out: dict) -> bool:
+    """Set ``out["best"]`` / ``out["best_ms"]`` to the fastest backend that ran; False when none did."""
+    ok = {n: r["ms"] for n, r in out["backends"].items() if "ms" in r}
+    if ok:
+        out["best"] = min(ok, key=ok.get)
+        out["best_ms"] = ok[out["best"]]
+    return bool(ok)
+
+
 def _release(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -300,10 +309,7 @@ def attention_floor(shapes: FloorShapes, batch: int, seq: int, *, dtype: torch.d
     finally:
         del q, k, v
         _release(device)
-    ok = {n: r["ms"] for n, r in out["backends"].items() if "ms" in r}
-    if ok:
-        out["best"] = min(ok, key=ok.get)
-        out["best_ms"] = ok[out["best"]]
+    if _pick_best(out):
         out["tflops_per_s"] = out["flops"] / (out["best_ms"] * 1e-3) / 1e12
     return out
 
@@ -365,10 +371,7 @@ def chunk_probe(shapes: FloorShapes, chunk: int, context: int, *, dtype, device,
     finally:
         del q, k, v
         _release(device)
-    ok = {n: r["ms"] for n, r in out["backends"].items() if "ms" in r}
-    if ok:
-        out["best"] = min(ok, key=ok.get)
-        out["best_ms"] = ok[out["best"]]
+    if _pick_best(out):
         if "best_ms" in whole:
             out["best_whole_ms"] = whole["best_ms"]
             out["best_share_ms"] = whole["best_ms"] * frac
