@@ -16,6 +16,7 @@ JSON (device and UUID, versions, every figure) under ``benchmarks/results/``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import platform
@@ -43,9 +44,11 @@ def parse_mix(text: str) -> tuple[int, int]:
     return int(b), int(l)
 
 
-def ttft(model, B: int, L: int, budget: int, mac: bool, device: str, reps: int, seed: int = 0) -> list[float]:
+def ttft(model, B: int, L: int, budget: int, mac: bool, device: str, reps: int, seed: int = 0,
+         profile: int = 0) -> list[float]:
     """Seconds from submitting ``B`` prompts of ``L`` tokens to the last first token, ``reps`` times
-    (after one warm-up)."""
+    (after one warm-up). ``profile > 0``: one more run under ``torch.profiler``, printing its ``profile``
+    costliest ops by device time and by host time (the profiled run is not among the times)."""
     rc = RuntimeConfig(max_batch_size=B, max_seq_len=L + 8, device=device,
                        use_cuda_graphs=device.startswith("cuda"), **{BUDGET_FIELD: budget or None})
     if BUDGET_FIELD == "max_num_batched_tokens" and not budget and device.startswith("cuda"):
@@ -54,24 +57,44 @@ def ttft(model, B: int, L: int, budget: int, mac: bool, device: str, reps: int, 
     g = torch.Generator().manual_seed(seed)
     times = []
     try:
-        for rep in range(reps + 1):
+        for rep in range(reps + 1 + bool(profile)):
             ids = [eng.add_request(torch.randint(300, eng.vocab_size, (L,), generator=g), max_new_tokens=1)
                    for _ in range(B)]
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
+            prof = profiler(device) if rep > reps else contextlib.nullcontext()
             t0 = time.perf_counter()
-            while eng.has_unfinished():
-                eng.step()
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            if rep:
+            with prof:
+                while eng.has_unfinished():
+                    eng.step()
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+            if 0 < rep <= reps:
                 times.append(time.perf_counter() - t0)
+            else:
+                print_profile(prof, profile, device)
             for i in ids:
                 eng.pop_finished(i)
     finally:
         eng.close()
         unbind(model)
     return times
+
+
+def profiler(device: str):
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=acts)
+
+
+def print_profile(prof, top: int, device: str) -> None:
+    if not isinstance(prof, torch.profiler.profile):
+        return
+    ka = prof.key_averages()
+    dev_key = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    print(ka.table(sort_by=dev_key, row_limit=top, max_name_column_width=60))
+    print(ka.table(sort_by="cpu_time_total", row_limit=top, max_name_column_width=60))
 
 
 def main(argv=None) -> int:
@@ -82,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mac", nargs="+", default=["on", "off"], choices=["on", "off"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--floor", action="store_true", help="measure the prefill floor of each mix (bench_prefill_floor)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the timed runs, one run under torch.profiler; print its N costliest ops")
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
@@ -94,18 +119,23 @@ def main(argv=None) -> int:
     floor_of = None
     if args.floor:
         try:
-            from bench_prefill_floor import prefill_floor as floor_of     # noqa: PLC0415
+            from bench_prefill_floor import FloorShapes, prefill_floor     # noqa: PLC0415
         except ImportError as exc:
             print(f"no floor: {exc}")
+        else:
+            def floor_of(B, L):
+                rec = prefill_floor(FloorShapes.of(shapes), B, L, dtype=dtype, device=torch.device(args.device), reps=3,
+                                    warmup=1)
+                return rec["floor_ms"] * 1e-3 if rec.get("floor_ms") else None
     rows = []
     for mix in args.mixes:
         B, L = parse_mix(mix)
-        floor = floor_of(shapes, [L] * B, dtype=dtype, device=args.device) if floor_of else None
+        floor = floor_of(B, L) if floor_of else None
         for budget in args.budgets:
             for mac in args.mac:
-                ts = ttft(model, B, L, budget, mac == "on", args.device, args.reps)
+                ts = ttft(model, B, L, budget, mac == "on", args.device, args.reps, profile=args.profile)
                 rec = {"mix": mix, "B": B, "L": L, "budget": budget, "mac": mac, "ttft_s": statistics.median(ts),
-                       "ttft_all_s": ts, "floor_s": floor["total_s"] if floor else None, "floor": floor}
+                       "ttft_all_s": ts, "floor_s": floor}
                 rec["x_floor"] = rec["ttft_s"] / rec["floor_s"] if rec["floor_s"] else None
                 rows.append(rec)
                 print(f"{mix:>9} budget {budget or 'whole':>6} mac {mac:>3}: TTFT {rec['ttft_s'] * 1e3:9.1f} ms"

@@ -10,8 +10,8 @@ Each segment's causal attention is one call of torch's ``scaled_dot_product_atte
 tensors: ``is_causal`` for a fresh segment (``start == 0``: the square causal mask, which every fused
 backend takes), ``causal_lower_right`` for a chunk after earlier chunks (query ``j`` of the chunk sees
 keys ``0 .. start + j``; flash / memory-efficient kernels take it without a mask). No ``n x n`` mask
-is ever materialised. On CUDA the backends are tried in ``CUDA_BACKENDS`` order, chosen by
-measurement (``benchmarks/bench_prefill_floor.py``; ``benchmarks/notes/serving.md``, "Serving at the hardware floor").
+is ever materialised. On CUDA the backends are tried in the order ``CUDA_BACKENDS`` gives for the
+segment's kind (fresh / continued), chosen by measurement (``benchmarks/bench_prefill_floor.py``; ``benchmarks/notes/serving.md``, "Serving at the hardware floor").
 
 ``ragged_attention_reference`` is the plain-torch definition (explicit masks, fp32 / fp64) the tests
 hold the packed path against.
@@ -30,10 +30,16 @@ from macattn.core.attention import expand_kv_heads
 
 __all__ = ["PrefillSegment", "RaggedPrefill", "causal_attention", "ragged_attention_reference", "CUDA_BACKENDS"]
 
-# SDPA backends for prefill on CUDA, in priority order (the dispatcher skips one that cannot take the
-# inputs, e.g. cuDNN without GQA support on an older torch); the measured reason is in NOTES.
-CUDA_BACKENDS = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                 SDPBackend.MATH)
+# SDPA backends for prefill on CUDA, in priority order per segment kind (the dispatcher skips one that
+# cannot take the inputs). H100, 8B shapes (benchmarks/results/bench_prefill_floor_h100.json): a fresh
+# 32K causal prompt takes 427 ms on cuDNN vs 806 ms on flash, but a chunk after earlier chunks
+# (causal_lower_right, 8K queries over 32K keys) takes 469 ms on cuDNN vs 345 ms on flash.
+CUDA_BACKENDS = {
+    "fresh": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+              SDPBackend.MATH],
+    "continued": [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                  SDPBackend.MATH],
+}
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """``q [1, Hq, Q, d]`` at the last ``Q`` positions of ``k, v [1, Hkv, S, d]`` (``S >= Q``), causal:
     query ``j`` sees keys ``0 .. S - Q + j``. Returns ``[1, Hq, Q, d]`` in ``q``'s dtype."""
     Q, S = q.shape[2], k.shape[2]
-    ctx = sdpa_kernel(CUDA_BACKENDS, set_priority=True) if q.is_cuda else contextlib.nullcontext()
+    order = CUDA_BACKENDS["fresh" if Q == S else "continued"]
+    ctx = sdpa_kernel(order, set_priority=True) if q.is_cuda else contextlib.nullcontext()
     with ctx:
         if Q == S:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
