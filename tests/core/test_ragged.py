@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from macattn.core.ragged import PrefillSegment, RaggedPrefill, ragged_attention_reference
+from macattn.core.ragged import (MERGE_MIN_QUERIES, PrefillSegment, RaggedPrefill, ragged_attention_reference,
+                                 split_causal_attention)
 
 # (start, length) per segment
 CASES = [
@@ -63,10 +64,27 @@ def test_an_empty_plan_is_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", CASES + [[(0, 1024), (3000, 512), (0, 77)]])
+@pytest.mark.parametrize("case", CASES + [[(0, 1024), (3000, 512), (0, 77)],
+                                          [(3000, MERGE_MIN_QUERIES), (0, 100), (700, MERGE_MIN_QUERIES + 5)]])
 @pytest.mark.parametrize("Hq,Hkv,d", [(32, 8, 128), (8, 8, 64)])
 def test_packed_attention_on_cuda_equals_the_definition(case, Hq, Hkv, d):
     out, ref = _run(case, Hq, Hkv, d, torch.bfloat16, "cuda", seed=7)
     assert torch.isfinite(out).all()
     err = (out.float() - ref).norm() / ref.norm()
+    assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("Q,S", [(1, 2), (64, 64 + 1), (2048, 6000), (4096, 4096 + 128)])
+def test_split_continued_chunk_equals_the_definition(Q, S):
+    """The two-call cuDNN path with the log-sum-exp merge, GQA 32/8, token-major query as the fused
+    prefill hands it, against the fp32 definition."""
+    g = torch.Generator(device="cpu").manual_seed(Q + S)
+    q = torch.randn(Q, 32, 128, generator=g).to("cuda", torch.bfloat16).transpose(0, 1).unsqueeze(0)
+    k, v = (torch.randn(1, 8, S, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    out = split_causal_attention(q, k, v, 128 ** -0.5)
+    ref = ragged_attention_reference(q, [k], [v], [Q], 128 ** -0.5)
+    assert out.shape == (1, 32, Q, 128) and out.dtype == torch.bfloat16
+    err = (out.transpose(1, 2).float() - ref).norm() / ref.norm()
     assert err < 1e-2, err

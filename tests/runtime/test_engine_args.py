@@ -50,6 +50,7 @@ def test_none_means_macs_defaults_on_every_surface():
     assert LLMEngine(model, None).method.config == default
     assert ModelRunner.from_hf(load_builtin_checkpoint()[0], None, max_batch_size=1).engine.method.config == default
     assert EngineArgs(mac="off").mac_config() == MacConfig(enabled=False)
+    assert EngineArgs(mac="on").mac_config() == EngineArgs().mac_config() == MacConfig()
 
 
 def test_cuda_graphs_default_follows_the_device():

@@ -119,3 +119,33 @@ def test_a_step_stays_within_its_token_budget():
             for c, row in zip(step.prefills, eng.executor.prefill_chunks(list(step.prefills))):
                 if row is not None:
                     eng._append(c.seq, eng.executor.sample([c.seq], row[None])[0], row)
+
+
+def test_a_step_without_decodes_takes_the_prefill_budget():
+    """With nothing decoding, a step takes prompt tokens up to ``max_prefill_tokens``; once a request
+    decodes, steps fall back to ``max_num_batched_tokens``; the tokens equal a whole-prompt run's."""
+    cfg = RuntimeConfig(max_batch_size=3, max_seq_len=128, max_num_batched_tokens=10, max_prefill_tokens=45)
+    eng = LLMEngine(tiny_model("llama", seed=5), MAC, cfg)
+    ps = prompts(3, seed=4, lo=25, hi=40)
+    ids = [eng.add_request(p, max_new_tokens=4) for p in ps]
+    sizes = []
+    while eng.has_unfinished():
+        step = eng.scheduler.schedule()
+        limit = 10 if step.decodes else 45
+        assert step.num_tokens <= limit
+        sizes.append((bool(step.decodes), step.num_tokens))
+        eng.execute(step)
+    assert sizes[0] == (False, 45)                    # the first step fills the prefill budget
+    whole = LLMEngine(tiny_model("llama", seed=5), MAC, RuntimeConfig(max_batch_size=3, max_seq_len=128))
+    wids = [whole.add_request(p, max_new_tokens=4) for p in ps]
+    while whole.has_unfinished():
+        whole.step()
+    for a, b in zip(ids, wids):
+        assert eng.pop_finished(a).output == whole.pop_finished(b).output
+
+
+def test_the_prefill_budget_is_validated():
+    with pytest.raises(ValueError, match="max_prefill_tokens must be >= max_num_batched_tokens=10"):
+        RuntimeConfig(max_batch_size=3, max_num_batched_tokens=10, max_prefill_tokens=9)
+    with pytest.raises(ValueError, match="max_prefill_tokens needs max_num_batched_tokens"):
+        RuntimeConfig(max_batch_size=3, max_prefill_tokens=9)

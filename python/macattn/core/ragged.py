@@ -18,7 +18,6 @@ hold the packed path against.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +27,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 from macattn.core.attention import expand_kv_heads
 
-__all__ = ["PrefillSegment", "RaggedPrefill", "causal_attention", "ragged_attention_reference", "CUDA_BACKENDS"]
+__all__ = ["PrefillSegment", "RaggedPrefill", "causal_attention", "split_causal_attention", "ragged_attention_reference",
+           "CUDA_BACKENDS", "MERGE_MIN_QUERIES"]
 
 # SDPA backends for prefill on CUDA, in priority order per segment kind (the dispatcher skips one that
 # cannot take the inputs). H100, 8B shapes (benchmarks/results/bench_prefill_floor_h100.json): a fresh
@@ -64,16 +64,52 @@ class PrefillSegment:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """``q [1, Hq, Q, d]`` at the last ``Q`` positions of ``k, v [1, Hkv, S, d]`` (``S >= Q``), causal:
-    query ``j`` sees keys ``0 .. S - Q + j``. Returns ``[1, Hq, Q, d]`` in ``q``'s dtype."""
+    query ``j`` sees keys ``0 .. S - Q + j``. Returns ``[1, Hq, Q, d]`` in ``q``'s dtype.
+
+    On CUDA a continued chunk of at least ``MERGE_MIN_QUERIES`` queries runs as two cuDNN calls merged by
+    their log-sum-exps (``split_causal_attention``): cuDNN's causal-lower-right path is slower than flash's,
+    but its plain and square-causal paths are ~1.7x flash's (H100, ``benchmarks/notes/serving.md``)."""
     Q, S = q.shape[2], k.shape[2]
-    order = CUDA_BACKENDS["fresh" if Q == S else "continued"]
-    ctx = sdpa_kernel(order, set_priority=True) if q.is_cuda else contextlib.nullcontext()
-    with ctx:
-        if Q == S:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                  enable_gqa=k.shape[1] != q.shape[1])
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(Q, S), scale=scale,
-                                              enable_gqa=k.shape[1] != q.shape[1])
+    if not q.is_cuda:
+        return _sdpa(q, k, v, scale)
+    if Q != S and Q >= MERGE_MIN_QUERIES and _SPLIT_OK.get(q.device, True):
+        try:
+            return split_causal_attention(q, k, v, scale)
+        except RuntimeError:            # no cuDNN attention for these inputs: the fused lower-right path
+            _SPLIT_OK[q.device] = False
+    with sdpa_kernel(CUDA_BACKENDS["fresh" if Q == S else "continued"], set_priority=True):
+        return _sdpa(q, k, v, scale)
+
+
+# A continued chunk this long (queries) takes the split cuDNN path on CUDA: at 1K queries over 3K keys
+# flash's lower-right kernel wins (0.21 vs 0.33 ms per layer, H100), at 2K over 32K the split (1.79 vs 3.12).
+MERGE_MIN_QUERIES = 2048
+_SPLIT_OK: dict = {}
+
+
+def _sdpa(q, k, v, scale):
+    Q, S = q.shape[2], k.shape[2]
+    gqa = k.shape[1] != q.shape[1]
+    if Q == S:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(Q, S), scale=scale, enable_gqa=gqa)
+
+
+def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """``causal_attention`` of a continued chunk (``Q < S``, CUDA, cuDNN) as the chunk's queries over the
+    ``S - Q`` earlier keys (no mask) and over its own ``Q`` keys (square causal), merged through the two
+    log-sum-exps in fp32. GQA without expanding heads. Raises ``RuntimeError`` where cuDNN refuses."""
+    Q, S = q.shape[2], k.shape[2]
+    q = q.contiguous()
+    attn = torch.ops.aten._scaled_dot_product_cudnn_attention
+    o1, l1 = attn(q, k[:, :, : S - Q], v[:, :, : S - Q], None, True, 0.0, False, False,
+                  scale=scale)[:2]
+    o2, l2 = attn(q, k[:, :, S - Q:], v[:, :, S - Q:], None, True, 0.0, True, False,
+                  scale=scale)[:2]
+    l1, l2 = l1.reshape(o1.shape[:3]).float(), l2.reshape(o2.shape[:3]).float()
+    lse = torch.logaddexp(l1, l2)
+    out = o1.float() * torch.exp(l1 - lse).unsqueeze(-1) + o2.float() * torch.exp(l2 - lse).unsqueeze(-1)
+    return out.to(q.dtype)
 
 
 class RaggedPrefill:

@@ -7,8 +7,8 @@ gate/up as one ``[2 I, D]``; the model's own projection weights become views int
 Between the projections run the decode-step kernels of ``macattn.plugins.decode_step`` (Triton
 on CUDA, their plain-torch references elsewhere): RMSNorm fused with the residual add, SiLU·mul,
 and — when the KV view is a paged pool taking one token per request (``PagedAppend``, the GPU
-decode step) — RoPE of the query and key heads with the key/value append to the pool in one
-launch. Per layer that is norm, QKV GEMM, RoPE+append, the method's attention, O GEMM, add+norm,
+decode step) or a packed prefill's tokens to their pool rows (``PackedAppend``) — RoPE of the query
+and key heads with the key/value append to the pool in one launch. Per layer that is norm, QKV GEMM, RoPE+append, the method's attention, O GEMM, add+norm,
 gate/up GEMM, SiLU·mul, down GEMM. A tensor-parallel shard (``macattn.models.tensor_parallel``) runs
 the same, its O and down outputs all-reduced over the ranks.
 
@@ -38,7 +38,7 @@ from macattn.models.tensor_parallel import RowParallelLinear
 from macattn.plugins.decode_step import DecodeStepKernels, kernels_for
 from macattn.plugins.decode_step.reference import rotate_half
 
-__all__ = ["FusedForward", "PagedAppend", "QUANTIZATIONS"]
+__all__ = ["FusedForward", "PackedAppend", "PagedAppend", "QUANTIZATIONS"]
 
 QUANTIZATIONS = (None, "fp8")      # weight-only formats FusedForward takes
 
@@ -55,6 +55,16 @@ class PagedAppend(Protocol):
     def pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@runtime_checkable
+class PackedAppend(Protocol):
+    """A KV view that writes a packed prefill call's ``N`` tokens (one row, ``B = 1``) to pool ``rows [N]``
+    int64 (the runtime's prefill view); ``pool(layer)``: the layer's flat pools ``(k, v)`` ``[P, Hkv, d]``."""
+
+    rows: torch.Tensor
+
+    def pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class _Linear:
@@ -166,6 +176,14 @@ class _FusedLayer(nn.Module):
             q = kernels.rope_append(qkv, cos.reshape(B, d), sin.reshape(B, d), k_pool, v_pool, kv.write_rows,
                                     self.num_q_heads, self.num_kv_heads).unsqueeze(2)
             k, v = kv.pages(idx)
+        elif B == 1 and isinstance(kv, PackedAppend) and kv.pool(idx)[0].dtype == qkv.dtype:
+            # RoPE + append of all N tokens in one launch, then the call's keys / values read back from
+            # their rows: [1, H, N, d] views of token-major tensors (the layout flash / cuDNN read)
+            k_pool, v_pool = kv.pool(idx)
+            q = kernels.rope_append(qkv, cos.reshape(T, d), sin.reshape(T, d), k_pool, v_pool, kv.rows,
+                                    self.num_q_heads, self.num_kv_heads).transpose(0, 1).unsqueeze(0)
+            k = k_pool.index_select(0, kv.rows).transpose(0, 1).unsqueeze(0)
+            v = v_pool.index_select(0, kv.rows).transpose(0, 1).unsqueeze(0)
         else:
             q, k, v = qkv.view(B, T, -1).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
             q, k, v = (t.reshape(B, T, -1, d).transpose(1, 2) for t in (q, k, v))

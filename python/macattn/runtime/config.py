@@ -8,9 +8,15 @@ import torch
 from macattn.core.validation import check_bool, check_choice, check_float, check_int
 from macattn.models.fused import QUANTIZATIONS
 
-__all__ = ["RuntimeConfig", "DEFAULT_CUDA_TOKEN_BUDGET"]
+__all__ = ["RuntimeConfig", "DEFAULT_CUDA_TOKEN_BUDGET", "DEFAULT_CUDA_PREFILL_TOKENS"]
 
-DEFAULT_CUDA_TOKEN_BUDGET = 8192    # tokens per engine step on CUDA (benchmarks/notes/serving.md, "Serving at the hardware floor"; to be measured)
+# Defaults on CUDA, chosen by measurement (benchmarks/notes/serving.md, "Serving at the hardware floor"):
+# a step that decodes takes at most this many tokens (at 8B shapes on an H100 a 2K-token step adds ~40 ms
+# to every running stream's next token) ...
+DEFAULT_CUDA_TOKEN_BUDGET = 2048
+# ... and a step with no running decode (nothing to stall) prefills up to this many: a 32K prompt in one
+# call, where cuDNN's square-causal kernel runs (chunks of it take the slower continued path).
+DEFAULT_CUDA_PREFILL_TOKENS = 32768
 
 
 def _positive_int(name: str, value, *, allow_none: bool = False) -> None:
@@ -45,6 +51,9 @@ class RuntimeConfig:
         exceed ``max_batch_size``. ``None`` = ``DEFAULT_CUDA_TOKEN_BUDGET`` on CUDA (chosen by measurement,
         ``benchmarks/notes/serving.md``), whole prompts elsewhere. Prompts that build their KV their own way
         (retrieval-completion, A3's chunked prompts, prefix-store loads) are prefilled whole.
+    max_prefill_tokens: the budget of a step in which no request decodes (prompt chunks only, so no
+        stream waits on it); at least ``max_num_batched_tokens``. ``None`` = ``DEFAULT_CUDA_PREFILL_TOKENS``
+        on CUDA, ``max_num_batched_tokens`` elsewhere.
     """
 
     max_batch_size: int = 8
@@ -56,6 +65,7 @@ class RuntimeConfig:
     fused_weights: bool = True
     quantization: str | None = None
     max_num_batched_tokens: int | None = None
+    max_prefill_tokens: int | None = None
     tensor_parallel_size: int = 1
     tp_timeout_s: float = 120.0
 
@@ -69,6 +79,11 @@ class RuntimeConfig:
             raise ValueError(f"max_num_batched_tokens must be > max_batch_size={self.max_batch_size} (a step "
                              f"decodes up to max_batch_size tokens before any prompt chunk), got "
                              f"{self.max_num_batched_tokens}")
+        _positive_int("max_prefill_tokens", self.max_prefill_tokens, allow_none=True)
+        if (self.max_prefill_tokens is not None and self.max_num_batched_tokens is not None
+                and self.max_prefill_tokens < self.max_num_batched_tokens):
+            raise ValueError(f"max_prefill_tokens must be >= max_num_batched_tokens={self.max_num_batched_tokens}, "
+                             f"got {self.max_prefill_tokens}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         check_float("tp_timeout_s", self.tp_timeout_s, 0.0, lo_open=True)
         for name in ("use_cuda_graphs", "fused_weights"):
@@ -86,6 +101,9 @@ class RuntimeConfig:
                 "use_cuda_graphs=True needs device='cuda' (CUDA graphs per batch bucket over the "
                 "Triton kernels of macattn.plugins); the CPU path runs the reference ops eagerly")
         object.__setattr__(self, "device", str(dev))
+        if self.max_prefill_tokens is not None and self.max_num_batched_tokens is None and dev.type != "cuda":
+            raise ValueError("max_prefill_tokens needs max_num_batched_tokens off CUDA (without it prompts are "
+                             "prefilled whole)")
 
     def resolved(self, model_max_positions: int) -> "RuntimeConfig":
         """Fill ``max_seq_len`` and ``num_blocks`` from the model's limits."""
@@ -94,7 +112,13 @@ class RuntimeConfig:
             raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
                              f"{model_max_positions}")
         num_blocks = self.num_blocks or self.max_batch_size * -(-max_seq_len // self.block_size)
-        budget = self.max_num_batched_tokens
-        if budget is None and torch.device(self.device).type == "cuda":
-            budget = max(DEFAULT_CUDA_TOKEN_BUDGET, self.max_batch_size + 1)
-        return replace(self, max_seq_len=max_seq_len, num_blocks=num_blocks, max_num_batched_tokens=budget)
+        budget, prefill = self.max_num_batched_tokens, self.max_prefill_tokens
+        if torch.device(self.device).type == "cuda":
+            if budget is None:
+                budget = max(DEFAULT_CUDA_TOKEN_BUDGET, self.max_batch_size + 1)
+            if prefill is None:
+                prefill = max(DEFAULT_CUDA_PREFILL_TOKENS, budget)
+        if prefill is None:
+            prefill = budget
+        return replace(self, max_seq_len=max_seq_len, num_blocks=num_blocks, max_num_batched_tokens=budget,
+                       max_prefill_tokens=prefill)

@@ -24,7 +24,7 @@ from macattn.methods.registry import method_class
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.executor import ModelExecutor
 from macattn.runtime.sampling import MAX_SEED, SamplingConfig
-from macattn.runtime.scheduler import Scheduler
+from macattn.runtime.scheduler import ScheduledStep, Scheduler
 from macattn.runtime.sequence import Sequence
 from macattn.runtime.slots import SlotStates
 
@@ -148,7 +148,8 @@ class LLMEngine:
             self.executor.reserve_scratch(self.slot_states.acquire())
         self.scheduler = Scheduler(self.slot_states, self.executor.blocks,
                                    on_finish=lambda seq: seq.metrics.update(self.executor.request_metrics(seq.slot)),
-                                   max_num_batched_tokens=config.max_num_batched_tokens, packs=self.executor.packs)
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_prefill_tokens=config.max_prefill_tokens, packs=self.executor.packs)
         self.vocab_size = model.config.vocab_size
         self.requests: dict[int, Sequence] = {}
 
@@ -286,7 +287,11 @@ class LLMEngine:
         ``RuntimeConfig.max_num_batched_tokens``), execute (the decode batch, then the prompt chunks packed
         into one model call), update (append or finish). A request's first token comes with its prompt's
         last chunk. Returns one ``StepOutput`` per request that produced a token or finished."""
-        scheduled = self.scheduler.schedule()
+        return self.execute(self.scheduler.schedule())
+
+    def execute(self, scheduled: ScheduledStep) -> list[StepOutput]:
+        """Run one scheduled step (``Scheduler.schedule``'s) and update its requests (``step`` less the
+        scheduling)."""
         outputs: list[StepOutput] = []
         if scheduled.decodes:
             batch = list(scheduled.decodes)

@@ -38,7 +38,7 @@ BUILTIN_NAMES = ("builtin", "trained", "tiny-llama")   # the packaged trained ch
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32,
           "float": torch.float32}
-_MAC_OFF = "off"
+_MAC_OFF, _MAC_ON = "off", "on"
 _PATH_FIELDS = ("model", "tokenizer", "mac", "completion_maps", "prefix_store")
 # flag spellings kept beside the generated ``--field-name`` ones
 _ALIASES = {"tensor_parallel_size": ("--tp",), "mac": ("--per-layer",), "mac_tau": ("--tau",),
@@ -63,7 +63,7 @@ class EngineArgs:
     method: str = "mac"
     """attention method: mac, full, completion or completion_offload"""
     mac: str | dict | None = None
-    """MAC's configuration: None = MAC's defaults, 'off' = MAC disabled (full attention through its ops), a
+    """MAC's configuration: None or 'on' = MAC's defaults, 'off' = MAC disabled (full attention through its ops), a
     MacConfig JSON file (per-layer, from macattn tune), or a MacConfig's dict (MacConfig.to_dict())"""
     mac_tau: float | None = None
     """MAC match threshold in [0, 1) over the file's / default global value"""
@@ -90,7 +90,10 @@ class EngineArgs:
     """KV blocks in the pool (default: enough for max_batch_size requests of max_seq_len)"""
     max_num_batched_tokens: int | None = None
     """token budget of one engine step: the running decodes plus prompt chunks packed into one model call
-    (default: 8192 on CUDA, whole prompts on the CPU)"""
+    (default: 2048 on CUDA, whole prompts on the CPU)"""
+    max_prefill_tokens: int | None = None
+    """token budget of a step in which no request decodes (default: 32768 on CUDA, max_num_batched_tokens
+    elsewhere)"""
     use_cuda_graphs: bool | None = None
     """capture decode steps as CUDA graphs (default: on exactly on CUDA)"""
     fused_weights: bool = True
@@ -161,7 +164,7 @@ class EngineArgs:
         if self.mac == _MAC_OFF:
             return MacConfig(enabled=False)
         base = (MacConfig.from_dict(self.mac) if isinstance(self.mac, dict)
-                else MacConfig.load(self.mac) if self.mac else MacConfig())
+                else MacConfig.load(self.mac) if self.mac and self.mac != _MAC_ON else MacConfig())
         kw = {k: v for k, v in (("tau", self.mac_tau), ("window", self.mac_window), ("band", self.mac_band))
               if v is not None}
         return replace(base, **kw) if kw else base
@@ -173,6 +176,7 @@ class EngineArgs:
                              use_cuda_graphs=cuda if self.use_cuda_graphs is None else self.use_cuda_graphs,
                              fused_weights=self.fused_weights, quantization=self.quantization,
                              max_num_batched_tokens=self.max_num_batched_tokens,
+                             max_prefill_tokens=self.max_prefill_tokens,
                              tensor_parallel_size=self.tensor_parallel_size, tp_timeout_s=self.tp_timeout_s)
 
     def load_model(self, *, with_tokenizer: bool = True):

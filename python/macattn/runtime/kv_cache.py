@@ -47,6 +47,10 @@ class PrefillView:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.cached
 
+    def pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's flat pools ``(k, v)`` ``[P, Hkv, d]`` (``FusedForward`` appends to ``rows`` itself)."""
+        return self.cache.k[layer], self.cache.v[layer]
+
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         k, v = self.cache.k[layer_idx], self.cache.v[layer_idx]
         k.index_copy_(0, self.rows, key[0].transpose(0, 1).to(k.dtype))

@@ -3,7 +3,8 @@
 ``schedule()`` returns one ``ScheduledStep`` under one token budget (``max_num_batched_tokens``, the
 Sarathi-Serve / vLLM v1 rule): every running request that already has a token decodes (one token
 each), then admission, then prompt chunks of the requests being prefilled, in admission order, up to
-the budget (``None``: whole prompts). A prompt the executor cannot split (``packs`` False: A3's chunked
+the budget (``None``: whole prompts); a step with no decode (nothing waits on it) takes prompt tokens up to
+``max_prefill_tokens`` instead. A prompt the executor cannot split (``packs`` False: A3's chunked
 prompts, prefix-store loads, methods keeping their own KV) is scheduled whole, alone if it exceeds the
 budget. Admission is FIFO and needs a free state slot (MAC rings + other per-slot state, reset on
 acquire) and KV blocks for ``prompt + max_new_tokens``. Finishing releases both (the slot's states are
@@ -45,11 +46,15 @@ class Scheduler:
 
     def __init__(self, slots: SlotStates, blocks: BlockManager,
                  on_finish: Callable[[Sequence], None] | None = None, *,
-                 max_num_batched_tokens: int | None = None, packs: Callable[[Sequence], bool] = lambda s: True) -> None:
+                 max_num_batched_tokens: int | None = None, max_prefill_tokens: int | None = None,
+                 packs: Callable[[Sequence], bool] = lambda s: True) -> None:
         self.slots = slots
         self.blocks = blocks
         self.on_finish = on_finish
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens = max_num_batched_tokens if max_prefill_tokens is None else max_prefill_tokens
+        if (self.max_prefill_tokens is None) != (max_num_batched_tokens is None):
+            raise ValueError("max_prefill_tokens needs max_num_batched_tokens (both None: whole prompts)")
         self.packs = packs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -74,7 +79,7 @@ class Scheduler:
         """The next step (module doc); admits waiting requests. Chunks are cut by ``num_prefilled``,
         which the executor advances when it runs them."""
         decodes = tuple(self.decode_batch())
-        budget = self.max_num_batched_tokens
+        budget = self.max_num_batched_tokens if decodes else self.max_prefill_tokens
         left = None if budget is None else budget - len(decodes)
         self.admit()
         prefills: list[PrefillChunk] = []

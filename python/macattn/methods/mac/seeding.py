@@ -48,15 +48,17 @@ def tail_summaries(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     kernel's bf16 / fp16 rounding. Elsewhere the fp32 / fp64 reference (``rectified_summaries_reference``)."""
     B, Hq, n, d = query.shape
     S = key.shape[2]
-    qpos = torch.arange(S - n, S, device=query.device)
     if not fused_seeding_applies(query) or S - band <= 0:
+        qpos = torch.arange(S - n, S, device=query.device)
         return rectified_summaries_reference(query, key, value, qpos, band=band, scale=scale)
     k, v = key[:, :, : S - band], value[:, :, : S - band]
     if k.shape[1] != Hq and not _native_gqa(query, k, v, scale):
         k, v = expand_kv_heads(k, Hq), expand_kv_heads(v, Hq)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
         query.contiguous(), k, v, 0.0, is_causal=True, return_debug_mask=False, scale=scale)[:2]
-    empty = (qpos < band).view(1, 1, n)
+    if S - n >= band:           # no query without keys (known on the host: no masking launches)
+        return AttentionSummary(out.float(), lse.float())
+    empty = (torch.arange(S - n, S, device=query.device) < band).view(1, 1, n)
     o = torch.where(empty.unsqueeze(-1), 0.0, out.float())
     return AttentionSummary(o, torch.where(empty, float("-inf"), lse.float()))
 
@@ -91,6 +93,11 @@ def seeded_ring_rows(query: torch.Tensor, q_pre: torch.Tensor, key: torch.Tensor
                          f"and {tuple(q_pre.shape)}")
     B, Hq, L, d = query.shape
     K = int(window)
+    if fused_seeding_applies(query) and L >= K:     # eager, every column filled: cached columns, no masks
+        t_col, j = _full_columns(L, K, query.device)
+        summ = tail_summaries(query[:, :, L - K:], key, value, band=band, scale=scale)
+        return (q_pre.index_select(2, t_col), summ.o.index_select(2, j), summ.lse.index_select(2, j),
+                t_col.view(1, K).expand(B, K))
     col = torch.arange(K, device=query.device)
     first = col.new_full((), 0) + (L - K)                            # position of the oldest kept entry
     t_col = first + torch.remainder(col - first, K)                  # [K]: position held by column c
@@ -115,6 +122,24 @@ def seeded_ring_rows(query: torch.Tensor, q_pre: torch.Tensor, key: torch.Tensor
     lse_rows = torch.where(valid.view(1, 1, K), summ.lse.float(), float("-inf"))
     pos_rows = torch.where(valid, t_col, -1).view(1, K).expand(B, K)
     return q_rows, o_rows, lse_rows, pos_rows
+
+
+_COLUMNS: dict = {}
+
+
+def _full_columns(L: int, K: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a prompt of ``L >= K`` tokens: ``t_col [K]`` int64, the position column ``c`` keeps
+    (``t mod K == c`` among the last ``K``), and ``j [K]``, its index among those last ``K``. Made once per
+    ``(L mod K, K, device)`` and shared by every layer and call (``t_col`` shifts with ``L``)."""
+    key = (L % K, K, device)
+    base = _COLUMNS.get(key)
+    if base is None:
+        if len(_COLUMNS) > 256:
+            _COLUMNS.clear()
+        col = torch.arange(K, device=device)
+        j = torch.remainder(col - L, K)                              # same for every L with this L mod K
+        base = _COLUMNS[key] = j
+    return base + (L - K), base
 
 
 def seed_rings_(rings, slots: torch.Tensor, query: torch.Tensor, q_pre: torch.Tensor, key: torch.Tensor,
