@@ -154,7 +154,8 @@ class LLMEngine:
         self.requests: dict[int, Sequence] = {}
 
     def close(self) -> None:
-        """Release what the engine holds outside this process (a tensor-parallel group's shards)."""
+        """Release what the engine holds: its device memory (``ModelExecutor.close``) or a tensor-parallel
+        group's shards. The engine runs nothing after."""
         self.executor.close()
 
     def method_state(self, name: str):

@@ -102,7 +102,10 @@ class ModelExecutor:
         return self.method.num_slots
 
     def close(self) -> None:
-        """Nothing to release outside this process (``TensorParallelExecutor`` has its workers')."""
+        """Release the device memory this executor allocated: the KV pool, the fused weights, the decode
+        buckets and their CUDA graphs, the sampler's counts (the method's state goes with the model's
+        binding, ``unbind``). It runs nothing after; a reference to it left anywhere then holds no memory."""
+        self.kv = self.fused = self.decoder = self.token_counts = self.a3 = self.mka = None
 
     def slot_states(self) -> dict:
         """Every per-request state to register with the slot registry: the method's, FastMKA's and the
