@@ -303,14 +303,23 @@ def test_p6_jit_enqueue_bf16_through_upstream(trt):
 
 
 @pytest.mark.skipif(INTERPRET, reason="TRITON_INTERPRET: kernels are interpreted, not compiled")
-def test_aot_images_pin_triton_and_ptx_isa():
+def test_item8_aot_images_pin_triton_and_the_cu12_ptx_isa():
+    """Issue 36 item 8: left to itself Triton 3.9.0 writes PTX ISA 9.4 (CUDA 13.4 drivers only); the images pin
+    ISA 8.0 (sm_90a's minimum, CUDA 12.0+ drivers) and Triton's ptxas still assembles them."""
     import triton
 
-    from macattn.plugins.aot import AOT_TRITON_PTX_ISA, HIDDEN_PARAMS
+    from macattn.plugins.aot import AOT_PTX_ISA, AOT_TRITON_VERSIONS, HIDDEN_PARAMS
+    from macattn.plugins.mac.attend_plugin import attend_aot_image
     from macattn.plugins.mac.match_plugin import match_aot_image
 
-    assert triton.__version__ in AOT_TRITON_PTX_ISA
+    assert triton.__version__ in AOT_TRITON_VERSIONS and AOT_PTX_ISA == "8.0"
     img = match_aot_image([(2, 8, 64), (3, 8, 32, 64), (3, 8, 32), (3, 32), (2,), (2,)],
                           [torch.bfloat16, torch.bfloat16, torch.float32] + [torch.int64] * 3, band=8, tau=0.45)
-    assert f".version {AOT_TRITON_PTX_ISA[triton.__version__]}" in img.ptx and ".target sm_90a" in img.ptx
+    att = attend_aot_image([(2, 8, 64), (2, 8, 64), (2, 2, 40, 64), (2, 2, 40, 64), (2,), (2, 8), (2,),
+                            (3, 8, 32, 64), (3, 8, 32, 64), (3, 8, 32), (3, 32)],
+                           [torch.bfloat16] * 4 + [torch.int64] * 3 + [torch.bfloat16, torch.float32, torch.float32,
+                                                                       torch.int64], band=8, scale=0.125)
+    for image in (img, att):
+        assert re.search(r"^\.version (\S+)", image.ptx, re.M).group(1) == "8.0" and ".target sm_90a" in image.ptx
+        assert image.cubin                      # ptxas accepted the pinned ISA
     assert img.num_params == len(img.spec.signature) + HIDDEN_PARAMS
