@@ -268,11 +268,75 @@ def test_recorder_is_not_importable_from_the_package():
     assert "trt_recorder" not in "".join(p.read_text() for p in pkg.rglob("*.py"))
 
 
+@pytest.fixture()
+def trt_gpu(monkeypatch):
+    """``trt`` for the GPU tests: skipped (not errored) where the bindings wheel is not installed."""
+    R.require_bindings()
+    from macattn.plugins import tensorrt_plugins
+
+    monkeypatch.setattr(tensorrt_plugins, "_REGISTERED", False)
+    with R.installed() as (trt, trtp):
+        tensorrt_plugins.register_all()
+        yield trt
+
+
+def test_item9_gpu_tests_skip_without_the_bindings_wheel(monkeypatch):
+    monkeypatch.setattr(R, "upstream_plugin_dir", lambda: None)
+    with pytest.raises(pytest.skip.Exception, match="tensorrt-cu12-bindings"):
+        R.require_bindings()
+
+
+def test_item9_parser_passes_fields_in_the_creators_order(trt, tmp_path):
+    """The ONNX parser walks the creator's declared fields (``band``, ``tau``), not the node's attribute order; our
+    exporter writes ``tau`` before ``band``. Upstream's AOT plugin takes the fields positionally, so a stand-in
+    passing them in node order handed ``aot_impl`` band=0.45, tau=8."""
+    from macattn.builder.onnx_ops import DOMAIN, MAC_MATCH
+    from macattn.builder.tensorrt_build import to_tensorrt_onnx
+
+    h = onnx.helper
+    node = h.make_node(MAC_MATCH, ["q_pre", "qring", "ring_lse", "ring_pos", "slots", "positions"],
+                       ["match_pos", "dist"], domain=DOMAIN)
+    node.attribute.extend([h.make_attribute("tau", 0.45), h.make_attribute("band", 8)])    # the exporter's order
+    graph = h.make_graph([node], "g", [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in node.input],
+                         [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in node.output])
+    src = tmp_path / "m.onnx"
+    onnx.save_model(h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid(DOMAIN, 1)]), src)
+    (n,) = onnx.load(str(to_tensorrt_onnx(src, tmp_path / "m.trt.onnx", "python"))).graph.node
+    attrs = {a.name: h.get_attribute_value(a) for a in n.attribute}
+    assert list(attrs)[:2] == ["tau", "band"]
+    drv = R.TrtDriver(trt, n.op_type, "mac_py")
+    plugin = drv.create(attrs, aot_attr=attrs["aot"])
+    assert plugin.attrs == {"band": 8, "tau": pytest.approx(0.45)}
+    assert isinstance(plugin.attrs["band"], int)
+    if not INTERPRET:
+        shapes, dtypes = _match_io(trt)
+        rec = drv.build(plugin, shapes, dtypes, concrete={"B": 2, "S": 3})
+        assert rec["kernel"][0] == "mac_match_onepass"
+
+
+def test_item9_bf16_enqueue_memory_wrapper_on_the_cpu():
+    """``PluginBinding.as_torch`` presents TensorRT's bf16 buffer (refused by ``__cuda_array_interface__``) as int16
+    memory with byte strides and views it as bf16. The same interface read by numpy over CPU memory gives back the
+    tensor, strides included (a transposed view)."""
+    import numpy as np
+
+    from macattn.plugins.tensorrt_plugins import _CudaMemory
+
+    x = torch.randn(4, 6, dtype=torch.float32).to(torch.bfloat16).t()          # [6, 4], strides (1, 6)
+    mem = _CudaMemory(x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.element_size())
+    iface = dict(mem.__cuda_array_interface__)
+    assert (iface["typestr"], iface["strides"], iface["shape"], iface["version"]) == ("<i2", (2, 12), (6, 4), 3)
+    iface.pop("stream")
+    arr = np.asarray(type("Host", (), {"__array_interface__": iface})())
+    assert torch.equal(torch.from_numpy(arr.copy()).view(torch.bfloat16), x)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_p6_jit_enqueue_bf16_through_upstream(trt):
+def test_p6_jit_enqueue_bf16_through_upstream(trt_gpu):
     """Upstream's ``_TemplateJITPlugin.enqueue`` hands our impl ``tensorrt.plugin.Tensor``s whose
     ``__cuda_array_interface__`` refuses BF16; the impl must still run the launcher into TensorRT's buffers."""
+    trt = trt_gpu
     from mac_problem import Problem, _mixed_kinds
     from macattn.plugins.mac.match_op import MacMatchLauncher
 
