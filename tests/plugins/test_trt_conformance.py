@@ -131,7 +131,8 @@ def test_p4_aot_image_with_dynamic_batch(trt):
     shapes, dtypes = _match_io(trt)
     drv = R.TrtDriver(trt, "match", "mac_py")
     rec = drv.build(drv.create({"band": 8, "tau": 0.45}, aot_attr=1), shapes, dtypes, concrete={"B": 2, "S": 3})
-    assert rec["launch"] == {"grid_x": "B", "grid_y": 8, "grid_z": 1, "block_x": 128, "block_y": 1, "block_z": 1,
+    # item 10 of issue 36: B + (B == 0) programs, never an empty grid (B = 0: a TRT-LLM step without generation)
+    assert rec["launch"] == {"grid_x": "(B SUM (B EQUAL 0))", "grid_y": 8, "grid_z": 1, "block_x": 128, "block_y": 1, "block_z": 1,
                              "shared_mem": rec["launch"]["shared_mem"]}
     assert rec["extra_args"] == ["B"] and rec["extra_arg_types"] == [trt.PluginArgDataType.INT32]
     name, ptx = rec["kernel"]
@@ -141,7 +142,8 @@ def test_p4_aot_image_with_dynamic_batch(trt):
     rec = drv.build(drv.create({"band": 8, "scale": 0.125}, aot_attr=1), shapes, dtypes,
                     concrete={"B": 2, "S": 3, "T": 40})
     assert rec["aliases"] == [-1, 7, 8, 9, 10]
-    assert (rec["launch"]["grid_x"], rec["launch"]["grid_y"]) == ("B", 2) and rec["extra_args"] == ["B", "T"]
+    assert (rec["launch"]["grid_x"], rec["launch"]["grid_y"]) == ("(B SUM (B EQUAL 0))", 2)
+    assert rec["extra_args"] == ["B", "T"]
     assert rec["kernel"][0] == "mac_attend_onepass"
 
 
@@ -161,6 +163,21 @@ def test_p4_compile_image_takes_upstream_shape_exprs(trt):
     finally:
         SymIntExpr._exprBuilder = None
     assert image.grid[0] is b and image.grid[1:] == (8, 1)
+
+
+@pytest.mark.skipif(INTERPRET, reason="TRITON_INTERPRET: kernels are interpreted, not compiled")
+def test_item10_aot_launch_never_has_an_empty_grid():
+    from types import SimpleNamespace
+
+    from macattn.plugins.mac.match_plugin import match_aot_image
+    from macattn.plugins.tensorrt_plugins import image_to_tensorrt
+
+    trtp = SimpleNamespace(KernelLaunchParams=SimpleNamespace, SymIntExprs=lambda n: [None] * n, SymInt32=int)
+    for B, programs in ((0, 1), (1, 1), (5, 5)):
+        img = match_aot_image([(B, 8, 64), (3, 8, 32, 64), (3, 8, 32), (3, 32), (B,), (B,)],
+                              [torch.bfloat16, torch.bfloat16, torch.float32] + [torch.int64] * 3, band=8, tau=0.45)
+        _, _, launch, extra = image_to_tensorrt(trtp, img)
+        assert (launch.grid_x, launch.grid_y, extra) == (programs, 8, [B])
 
 
 def _trt_onnx(tmp_path, backend):
