@@ -404,3 +404,35 @@ def test_item8_aot_images_pin_triton_and_the_cu12_ptx_isa():
         assert re.search(r"^\.version (\S+)", image.ptx, re.M).group(1) == "8.0" and ".target sm_90a" in image.ptx
         assert image.cubin                      # ptxas accepted the pinned ISA
     assert img.num_params == len(img.spec.signature) + HIDDEN_PARAMS
+
+
+def test_item10_plugin_library_loads_once_per_process(monkeypatch, tmp_path):
+    """TensorRT's registry is a process singleton and refuses a second load of one library: one load per process,
+    whatever the number of Builders / plans; a refusal names the library."""
+    from macattn.plugins import trt_compat
+
+    monkeypatch.setattr(trt_compat, "_LOADED_LIBRARIES", {})
+    lib = tmp_path / "libmacattn_trt.so"
+    calls = []
+    registry = type("Registry", (), {"load_library": lambda self, p: calls.append(p) or "handle"})()
+    assert trt_compat.load_plugin_library(registry, lib) == "handle"
+    assert trt_compat.load_plugin_library(registry, str(lib)) == "handle" and len(calls) == 1
+    refusing = type("Registry", (), {"load_library": lambda self, p: None})()
+    with pytest.raises(RuntimeError, match="libother.so"):
+        trt_compat.load_plugin_library(refusing, tmp_path / "libother.so")
+
+
+def test_item10_export_into_the_trt_plugins_domain(tmp_path):
+    """ONNX Runtime's TensorRT execution provider and ModelOpt look for plugin nodes in the ``trt.plugins`` domain."""
+    from macattn.builder.tensorrt_build import TRT_PLUGINS_DOMAIN, to_tensorrt_onnx
+
+    _trt_onnx(tmp_path, "native")                    # writes m.onnx
+    out = onnx.load(str(to_tensorrt_onnx(tmp_path / "m.onnx", tmp_path / "d.onnx", "python",
+                                         domain=TRT_PLUGINS_DOMAIN)))
+    (n,) = out.graph.node
+    assert (n.domain, n.op_type) == ("trt.plugins", "match")
+    assert ("trt.plugins", 1) in [(o.domain, o.version) for o in out.opset_import]
+    (n,) = onnx.load(str(to_tensorrt_onnx(tmp_path / "m.onnx", tmp_path / "k.onnx", "native"))).graph.node
+    assert n.domain == "macattn"                     # default unchanged
+    with pytest.raises(ValueError, match="domain"):
+        to_tensorrt_onnx(tmp_path / "m.onnx", tmp_path / "x.onnx", "native", domain="ai.onnx")
