@@ -240,7 +240,7 @@ def test_guard_names_old_version_and_missing_names(monkeypatch):
     with pytest.raises(TensorRTVersionError, match=r"tensorrt_llm >= 1\.2.*found tensorrt_llm 1\.1\.0"):
         backend.require_trtllm_pytorch()
     bare = types.ModuleType("tensorrt_llm")
-    bare.__version__ = "1.3.0"
+    bare.__version__ = "1.2.1"
     monkeypatch.setitem(sys.modules, "tensorrt_llm", bare)
     with pytest.raises(ImportError, match=r"lacks: tensorrt_llm\._torch\.attention_backend\.interface") as e:
         backend.require_trtllm_pytorch()

@@ -63,3 +63,30 @@ else:
         g = _gen()
         _check(Problem(B=2, Hq=4, Hkv=1, d=32, K=16, band=4, tau=0.5, positions=[53, 38],
                        kinds=_all("hit", 2, 4), gen=g))
+
+    def test_item10_zero_batch_on_a_one_program_grid_writes_nothing():
+        """Issue 36 item 10: TensorRT launches ``B + (B == 0)`` programs; with ``B = 0`` the one program returns
+        before touching memory (the ring outputs, aliased to the inputs, keep their values)."""
+        import dataclasses
+
+        from macattn.plugins.mac.attend_plugin import attend_kernel_spec
+        from macattn.plugins.mac.match_plugin import match_kernel_spec
+
+        bf, f32, i64 = torch.bfloat16, torch.float32, torch.int64
+        S, H, Hkv, K, d = 2, 4, 2, 16, 16
+        qring, oring = torch.randn(S, H, K, d).to(bf), torch.randn(S, H, K, d)
+        lse, pos = torch.randn(S, H, K), torch.arange(S * K).view(S, K)
+        saved = [t.clone() for t in (qring, oring, lse, pos)]
+        e3, e1, e2 = torch.empty(0, H, d, dtype=bf), torch.empty(0, dtype=i64), torch.empty(0, H, dtype=i64)
+        kv = torch.empty(0, Hkv, 8, d, dtype=bf)
+        m_spec = match_kernel_spec([(0, H, d), (S, H, K, d), (S, H, K), (S, K), (0,), (0,)],
+                                   [bf, bf, f32, i64, i64, i64], band=4, tau=0.5)
+        dataclasses.replace(m_spec, grid=(1, H, 1)).launch_jit(e3, qring, lse, pos, e1, e1, 0, e2,
+                                                                torch.empty(0, H, dtype=f32))
+        a_spec = attend_kernel_spec([(0, H, d), (0, H, d), (0, Hkv, 8, d), (0, Hkv, 8, d), (0,), (0, H), (0,),
+                                     (S, H, K, d), (S, H, K, d), (S, H, K), (S, K)],
+                                    [bf, bf, bf, bf, i64, i64, i64, bf, f32, f32, i64], band=4, scale=0.25)
+        dataclasses.replace(a_spec, grid=(1, Hkv, 1)).launch_jit(e3, e3, kv, kv, e1, e2, e1, qring, oring, lse, pos,
+                                                                  0, 8, e3, qring, oring, lse, pos)
+        for t, s in zip((qring, oring, lse, pos), saved):
+            assert torch.equal(t, s)

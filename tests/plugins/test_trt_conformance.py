@@ -131,7 +131,8 @@ def test_p4_aot_image_with_dynamic_batch(trt):
     shapes, dtypes = _match_io(trt)
     drv = R.TrtDriver(trt, "match", "mac_py")
     rec = drv.build(drv.create({"band": 8, "tau": 0.45}, aot_attr=1), shapes, dtypes, concrete={"B": 2, "S": 3})
-    assert rec["launch"] == {"grid_x": "B", "grid_y": 8, "grid_z": 1, "block_x": 128, "block_y": 1, "block_z": 1,
+    # item 10 of issue 36: B + (B == 0) programs, never an empty grid (B = 0: a TRT-LLM step without generation)
+    assert rec["launch"] == {"grid_x": "(B SUM (B EQUAL 0))", "grid_y": 8, "grid_z": 1, "block_x": 128, "block_y": 1, "block_z": 1,
                              "shared_mem": rec["launch"]["shared_mem"]}
     assert rec["extra_args"] == ["B"] and rec["extra_arg_types"] == [trt.PluginArgDataType.INT32]
     name, ptx = rec["kernel"]
@@ -141,7 +142,8 @@ def test_p4_aot_image_with_dynamic_batch(trt):
     rec = drv.build(drv.create({"band": 8, "scale": 0.125}, aot_attr=1), shapes, dtypes,
                     concrete={"B": 2, "S": 3, "T": 40})
     assert rec["aliases"] == [-1, 7, 8, 9, 10]
-    assert (rec["launch"]["grid_x"], rec["launch"]["grid_y"]) == ("B", 2) and rec["extra_args"] == ["B", "T"]
+    assert (rec["launch"]["grid_x"], rec["launch"]["grid_y"]) == ("(B SUM (B EQUAL 0))", 2)
+    assert rec["extra_args"] == ["B", "T"]
     assert rec["kernel"][0] == "mac_attend_onepass"
 
 
@@ -161,6 +163,21 @@ def test_p4_compile_image_takes_upstream_shape_exprs(trt):
     finally:
         SymIntExpr._exprBuilder = None
     assert image.grid[0] is b and image.grid[1:] == (8, 1)
+
+
+@pytest.mark.skipif(INTERPRET, reason="TRITON_INTERPRET: kernels are interpreted, not compiled")
+def test_item10_aot_launch_never_has_an_empty_grid():
+    from types import SimpleNamespace
+
+    from macattn.plugins.mac.match_plugin import match_aot_image
+    from macattn.plugins.tensorrt_plugins import image_to_tensorrt
+
+    trtp = SimpleNamespace(KernelLaunchParams=SimpleNamespace, SymIntExprs=lambda n: [None] * n, SymInt32=int)
+    for B, programs in ((0, 1), (1, 1), (5, 5)):
+        img = match_aot_image([(B, 8, 64), (3, 8, 32, 64), (3, 8, 32), (3, 32), (B,), (B,)],
+                              [torch.bfloat16, torch.bfloat16, torch.float32] + [torch.int64] * 3, band=8, tau=0.45)
+        _, _, launch, extra = image_to_tensorrt(trtp, img)
+        assert (launch.grid_x, launch.grid_y, extra) == (programs, 8, [B])
 
 
 def _trt_onnx(tmp_path, backend):
@@ -268,11 +285,75 @@ def test_recorder_is_not_importable_from_the_package():
     assert "trt_recorder" not in "".join(p.read_text() for p in pkg.rglob("*.py"))
 
 
+@pytest.fixture()
+def trt_gpu(monkeypatch):
+    """``trt`` for the GPU tests: skipped (not errored) where the bindings wheel is not installed."""
+    R.require_bindings()
+    from macattn.plugins import tensorrt_plugins
+
+    monkeypatch.setattr(tensorrt_plugins, "_REGISTERED", False)
+    with R.installed() as (trt, trtp):
+        tensorrt_plugins.register_all()
+        yield trt
+
+
+def test_item9_gpu_tests_skip_without_the_bindings_wheel(monkeypatch):
+    monkeypatch.setattr(R, "upstream_plugin_dir", lambda: None)
+    with pytest.raises(pytest.skip.Exception, match="tensorrt-cu12-bindings"):
+        R.require_bindings()
+
+
+def test_item9_parser_passes_fields_in_the_creators_order(trt, tmp_path):
+    """The ONNX parser walks the creator's declared fields (``band``, ``tau``), not the node's attribute order; our
+    exporter writes ``tau`` before ``band``. Upstream's AOT plugin takes the fields positionally, so a stand-in
+    passing them in node order handed ``aot_impl`` band=0.45, tau=8."""
+    from macattn.builder.onnx_ops import DOMAIN, MAC_MATCH
+    from macattn.builder.tensorrt_build import to_tensorrt_onnx
+
+    h = onnx.helper
+    node = h.make_node(MAC_MATCH, ["q_pre", "qring", "ring_lse", "ring_pos", "slots", "positions"],
+                       ["match_pos", "dist"], domain=DOMAIN)
+    node.attribute.extend([h.make_attribute("tau", 0.45), h.make_attribute("band", 8)])    # the exporter's order
+    graph = h.make_graph([node], "g", [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in node.input],
+                         [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in node.output])
+    src = tmp_path / "m.onnx"
+    onnx.save_model(h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid(DOMAIN, 1)]), src)
+    (n,) = onnx.load(str(to_tensorrt_onnx(src, tmp_path / "m.trt.onnx", "python"))).graph.node
+    attrs = {a.name: h.get_attribute_value(a) for a in n.attribute}
+    assert list(attrs)[:2] == ["tau", "band"]
+    drv = R.TrtDriver(trt, n.op_type, "mac_py")
+    plugin = drv.create(attrs, aot_attr=attrs["aot"])
+    assert plugin.attrs == {"band": 8, "tau": pytest.approx(0.45)}
+    assert isinstance(plugin.attrs["band"], int)
+    if not INTERPRET:
+        shapes, dtypes = _match_io(trt)
+        rec = drv.build(plugin, shapes, dtypes, concrete={"B": 2, "S": 3})
+        assert rec["kernel"][0] == "mac_match_onepass"
+
+
+def test_item9_bf16_enqueue_memory_wrapper_on_the_cpu():
+    """``PluginBinding.as_torch`` presents TensorRT's bf16 buffer (refused by ``__cuda_array_interface__``) as int16
+    memory with byte strides and views it as bf16. The same interface read by numpy over CPU memory gives back the
+    tensor, strides included (a transposed view)."""
+    import numpy as np
+
+    from macattn.plugins.tensorrt_plugins import _CudaMemory
+
+    x = torch.randn(4, 6, dtype=torch.float32).to(torch.bfloat16).t()          # [6, 4], strides (1, 6)
+    mem = _CudaMemory(x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.element_size())
+    iface = dict(mem.__cuda_array_interface__)
+    assert (iface["typestr"], iface["strides"], iface["shape"], iface["version"]) == ("<i2", (2, 12), (6, 4), 3)
+    iface.pop("stream")
+    arr = np.asarray(type("Host", (), {"__array_interface__": iface})())
+    assert torch.equal(torch.from_numpy(arr.copy()).view(torch.bfloat16), x)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_p6_jit_enqueue_bf16_through_upstream(trt):
+def test_p6_jit_enqueue_bf16_through_upstream(trt_gpu):
     """Upstream's ``_TemplateJITPlugin.enqueue`` hands our impl ``tensorrt.plugin.Tensor``s whose
     ``__cuda_array_interface__`` refuses BF16; the impl must still run the launcher into TensorRT's buffers."""
+    trt = trt_gpu
     from mac_problem import Problem, _mixed_kinds
     from macattn.plugins.mac.match_op import MacMatchLauncher
 
@@ -303,14 +384,55 @@ def test_p6_jit_enqueue_bf16_through_upstream(trt):
 
 
 @pytest.mark.skipif(INTERPRET, reason="TRITON_INTERPRET: kernels are interpreted, not compiled")
-def test_aot_images_pin_triton_and_ptx_isa():
+def test_item8_aot_images_pin_triton_and_the_cu12_ptx_isa():
+    """Issue 36 item 8: left to itself Triton 3.9.0 writes PTX ISA 9.4 (CUDA 13.4 drivers only); the images pin
+    ISA 8.0 (sm_90a's minimum, CUDA 12.0+ drivers) and Triton's ptxas still assembles them."""
     import triton
 
-    from macattn.plugins.aot import AOT_TRITON_PTX_ISA, HIDDEN_PARAMS
+    from macattn.plugins.aot import AOT_PTX_ISA, AOT_TRITON_VERSIONS, HIDDEN_PARAMS
+    from macattn.plugins.mac.attend_plugin import attend_aot_image
     from macattn.plugins.mac.match_plugin import match_aot_image
 
-    assert triton.__version__ in AOT_TRITON_PTX_ISA
+    assert triton.__version__ in AOT_TRITON_VERSIONS and AOT_PTX_ISA == "8.0"
     img = match_aot_image([(2, 8, 64), (3, 8, 32, 64), (3, 8, 32), (3, 32), (2,), (2,)],
                           [torch.bfloat16, torch.bfloat16, torch.float32] + [torch.int64] * 3, band=8, tau=0.45)
-    assert f".version {AOT_TRITON_PTX_ISA[triton.__version__]}" in img.ptx and ".target sm_90a" in img.ptx
+    att = attend_aot_image([(2, 8, 64), (2, 8, 64), (2, 2, 40, 64), (2, 2, 40, 64), (2,), (2, 8), (2,),
+                            (3, 8, 32, 64), (3, 8, 32, 64), (3, 8, 32), (3, 32)],
+                           [torch.bfloat16] * 4 + [torch.int64] * 3 + [torch.bfloat16, torch.float32, torch.float32,
+                                                                       torch.int64], band=8, scale=0.125)
+    for image in (img, att):
+        assert re.search(r"^\.version (\S+)", image.ptx, re.M).group(1) == "8.0" and ".target sm_90a" in image.ptx
+        assert image.cubin                      # ptxas accepted the pinned ISA
     assert img.num_params == len(img.spec.signature) + HIDDEN_PARAMS
+
+
+def test_item10_plugin_library_loads_once_per_process(monkeypatch, tmp_path):
+    """TensorRT's registry is a process singleton and refuses a second load of one library: one load per process,
+    whatever the number of Builders / plans; a refusal names the library."""
+    from macattn.plugins import trt_compat
+
+    monkeypatch.setattr(trt_compat, "_LOADED_LIBRARIES", {})
+    lib = tmp_path / "libmacattn_trt.so"
+    calls = []
+    registry = type("Registry", (), {"load_library": lambda self, p: calls.append(p) or "handle"})()
+    assert trt_compat.load_plugin_library(registry, lib) == "handle"
+    assert trt_compat.load_plugin_library(registry, str(lib)) == "handle" and len(calls) == 1
+    refusing = type("Registry", (), {"load_library": lambda self, p: None})()
+    with pytest.raises(RuntimeError, match="libother.so"):
+        trt_compat.load_plugin_library(refusing, tmp_path / "libother.so")
+
+
+def test_item10_export_into_the_trt_plugins_domain(tmp_path):
+    """ONNX Runtime's TensorRT execution provider and ModelOpt look for plugin nodes in the ``trt.plugins`` domain."""
+    from macattn.builder.tensorrt_build import TRT_PLUGINS_DOMAIN, to_tensorrt_onnx
+
+    _trt_onnx(tmp_path, "native")                    # writes m.onnx
+    out = onnx.load(str(to_tensorrt_onnx(tmp_path / "m.onnx", tmp_path / "d.onnx", "python",
+                                         domain=TRT_PLUGINS_DOMAIN)))
+    (n,) = out.graph.node
+    assert (n.domain, n.op_type) == ("trt.plugins", "match")
+    assert ("trt.plugins", 1) in [(o.domain, o.version) for o in out.opset_import]
+    (n,) = onnx.load(str(to_tensorrt_onnx(tmp_path / "m.onnx", tmp_path / "k.onnx", "native"))).graph.node
+    assert n.domain == "macattn"                     # default unchanged
+    with pytest.raises(ValueError, match="domain"):
+        to_tensorrt_onnx(tmp_path / "m.onnx", tmp_path / "x.onnx", "native", domain="ai.onnx")

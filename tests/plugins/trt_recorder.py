@@ -31,6 +31,15 @@ import numpy.typing  # noqa: F401  (upstream reads np.typing, which numpy expose
 BINDINGS_VERSION = "11.4.0.106"   # the tensorrt-cu12-bindings wheel whose plugin layer the tests run
 
 
+def require_bindings() -> None:
+    """Skip the calling test (``pytest.skip``) when the ``tensorrt-cu12-bindings`` wheel is absent: for the GPU
+    tests, whose machine may lack the ``test`` extra (the CPU tests need the wheel and fail without it)."""
+    if upstream_plugin_dir() is None:
+        import pytest
+
+        pytest.skip(f"tensorrt-cu12-bindings=={BINDINGS_VERSION} is not installed (pip install -e '.[test]')")
+
+
 def upstream_plugin_dir() -> str | None:
     """Folder of the wheel's ``tensorrt_bindings`` package (holding ``plugin/``), or None when the wheel is absent.
     Found without importing it (its ``__init__`` loads the compiled core)."""
@@ -250,7 +259,8 @@ def get_plugin_registry():
 def _recorder_module(version: str) -> types.ModuleType:
     mod = types.ModuleType("tensorrt", __doc__)
     for name, val in globals().items():
-        if not name.startswith("_") and name not in ("installed", "upstream_plugin_dir", "TrtDriver", "Placeholder"):
+        if not name.startswith("_") and name not in ("installed", "upstream_plugin_dir", "require_bindings", "TrtDriver",
+                                                     "Placeholder"):
             setattr(mod, name, val)
     mod.__version__ = version
     mod.bool = DataType.BOOL            # TensorRT's name for it
@@ -296,7 +306,8 @@ class TrtDriver:
     """Drives one plugin through upstream's plugin layer in the order TensorRT's builder calls it.
 
     ``create``: the ONNX parser's path (``onnx-tensorrt`` ``importFallbackPluginImporter`` / ``createPlugin``):
-    fields = the node attributes the creator declares (ONNX INT -> INT32, FLOAT -> FLOAT32), the request from the
+    fields = the node attributes the creator declares, in the creator's declared field order (ONNX INT -> INT32,
+    FLOAT -> FLOAT32), the request from the
     node's ``aot`` attribute if present, else from the network's PREFER_AOT / PREFER_JIT flags.
     ``build``: ``get_output_data_types`` (placeholder shapes), ``get_output_shapes`` (dim expressions),
     ``get_aliased_input``, ``get_supported_format_combinations``, ``configure_plugin``, ``get_valid_tactics``,
@@ -312,11 +323,14 @@ class TrtDriver:
 
     def create(self, attributes: dict, *, aot_attr=None, prefer_aot=False, prefer_jit=False):
         trt = self.trt
-        declared = {f.name for f in self.creator.field_names}
         fields = []
-        for key, val in attributes.items():
-            if key not in declared:
-                continue        # the parser passes only the fields the creator declares
+        # the parser walks the creator's declared fields, in their order, and takes each from the node's
+        # attributes (whatever their order on the node); attributes the creator does not declare are not passed
+        for declared in self.creator.field_names:
+            key = declared.name
+            if key not in attributes:
+                continue
+            val = attributes[key]
             if isinstance(val, float):
                 fields.append(trt.PluginField(key, np.array([val], dtype=np.float32), trt.PluginFieldType.FLOAT32))
             elif isinstance(val, int):

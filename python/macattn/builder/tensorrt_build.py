@@ -24,11 +24,11 @@ import onnx
 
 from macattn.builder.onnx_ops import DOMAIN, MAC_ATTEND, MAC_MATCH
 from macattn.plugins.trt_compat import (MIN_PYTHON_PLUGINS, MIN_TENSORRT, NATIVE_NAMESPACE, PLUGIN_VERSION,
-                                        PYTHON_NAMESPACE, TensorRTVersionError, parse_version,
+                                        PYTHON_NAMESPACE, TensorRTVersionError, load_plugin_library, parse_version,
                                         require_version)
 
-__all__ = ["BACKENDS", "TRT_PLUGINS", "to_tensorrt_onnx", "network_flags", "default_plugin_library",
-           "build_tensorrt_engines", "require_tensorrt_build"]
+__all__ = ["BACKENDS", "TRT_PLUGINS", "TRT_PLUGINS_DOMAIN", "to_tensorrt_onnx", "network_flags",
+           "default_plugin_library", "build_tensorrt_engines", "require_tensorrt_build"]
 
 BACKENDS = ("native", "python")
 # ONNX op -> plugin name; the namespace is the backend's (trt_compat), the version PLUGIN_VERSION
@@ -49,7 +49,11 @@ def _check_backend(backend: str) -> str:
     return backend
 
 
-def to_tensorrt_onnx(src: Path, dst: Path, backend: str = "native", aot: bool = True) -> Path:
+TRT_PLUGINS_DOMAIN = "trt.plugins"     # the domain ONNX Runtime's TensorRT provider and ModelOpt expect plugins in
+
+
+def to_tensorrt_onnx(src: Path, dst: Path, backend: str = "native", aot: bool = True,
+                     domain: str | None = None) -> Path:
     """Copy ``src`` to ``dst`` with the ``macattn`` nodes renamed to their TensorRT plugins.
 
     ``op_type`` = plugin name, attributes ``plugin_namespace`` (``mac`` for the native library,
@@ -57,8 +61,13 @@ def to_tensorrt_onnx(src: Path, dst: Path, backend: str = "native", aot: bool = 
     each ``match`` / ``attend`` node also gets the int attribute ``aot`` (1: the AOT impl, 0: the JIT impl):
     they define both, and the ONNX parser turns ``aot`` into a strict creation request; without it the
     network must set ``PREFER_AOT_PYTHON_PLUGINS`` / ``PREFER_JIT_PYTHON_PLUGINS`` or creation fails.
-    The parser passes a creator only the fields it declares, so these attributes never reach the plugin."""
+    The parser passes a creator only the fields it declares, so these attributes never reach the plugin.
+    ``domain``: None keeps the nodes' ``macattn`` domain (TensorRT's parser maps by ``op_type``);
+    ``TRT_PLUGINS_DOMAIN`` (``"trt.plugins"``) moves them there and declares it in the opset imports, for ONNX
+    Runtime's TensorRT execution provider and ModelOpt. ``ValueError`` naming ``domain`` otherwise."""
     namespace = NATIVE_NAMESPACE if _check_backend(backend) == "native" else PYTHON_NAMESPACE
+    if domain not in (None, TRT_PLUGINS_DOMAIN):
+        raise ValueError(f"domain must be None or {TRT_PLUGINS_DOMAIN!r}, got {domain!r}")
     model = onnx.load(str(src))
     for node in model.graph.node:
         if node.domain == DOMAIN and node.op_type in TRT_PLUGINS:
@@ -68,6 +77,10 @@ def to_tensorrt_onnx(src: Path, dst: Path, backend: str = "native", aot: bool = 
             if backend == "python" and node.op_type in _AOT_PLUGINS:
                 attrs.append(onnx.helper.make_attribute("aot", int(bool(aot))))
             node.attribute.extend(attrs)
+            if domain is not None:
+                node.domain = domain
+    if domain is not None and all(o.domain != domain for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(domain, 1))
     onnx.save_model(model, str(dst))
     return dst
 
@@ -136,11 +149,10 @@ def build_tensorrt_engines(out: Path, dims: dict, *, max_batch: int, max_context
         register_all()
     result = {"status": "built", "version": trt.__version__, "backend": backend,
               "plugin_library": str(lib) if lib else None, "engines": {}}
+    if lib is not None:
+        load_plugin_library(trt.get_plugin_registry(), lib)      # once per process, not per Builder
     for name in ("decode", "prefill"):
         builder = trt.Builder(logger)
-        if lib is not None and builder.get_plugin_registry().load_library(str(lib)) is None:
-            raise RuntimeError(f"TensorRT refused to load {lib} (a creator of the same name/namespace is "
-                               f"already registered?)")
         network = builder.create_network(network_flags(trt, backend, aot))
         parser = trt.OnnxParser(network, logger)
         trt_onnx = to_tensorrt_onnx(out / f"{name}.onnx", out / f"{name}.trt.onnx", backend, aot)

@@ -264,8 +264,8 @@ def global_layer_index(local_layer_idx: int, first_layer: int) -> int:
 
 def make_mac_attention(base, cfg: MacConfig, creators: dict, *, max_batch: int, first_layer: int = 0):
     """Subclass of TRT-LLM's ``Attention`` (``base``) inserting the MAC plugins; see the module
-    docstring for the graph. ``creators`` maps ``"mac::match"`` / ``"mac::attend"`` to the
-    TensorRT ``IPluginCreatorV3One`` from the registry; ``max_batch`` is the build's
+    docstring for the graph. ``creators`` maps ``MATCH_ID`` / ``ATTEND_ID`` (``"mac_py::match"`` /
+    ``"mac_py::attend"``, what ``register_all`` registers) to their creators from TensorRT's registry; ``max_batch`` is the build's
     ``--max_batch_size`` (bounds ``G`` and ``S``). Needs ``tensorrt`` and ``tensorrt_llm``.
     Written against TRT-LLM sources, never built or run here.
     """
@@ -390,9 +390,9 @@ def make_mac_attention(base, cfg: MacConfig, creators: dict, *, max_batch: int, 
             kv_shape = F.concat([F.shape(kv, 0), Hkv, F.shape(kv, 3), d])
             k, v = k.view(kv_shape), v.view(kv_shape)
 
-            match_pos, _dist = _add_plugin("mac::match", self.mac_fields["mac::match"],
+            match_pos, _dist = _add_plugin(MATCH_ID, self.mac_fields[MATCH_ID],
                                            [q_pre, qring, ring_lse, ring_pos, slots, positions])
-            out, *ring_outs = _add_plugin("mac::attend", self.mac_fields["mac::attend"],
+            out, *ring_outs = _add_plugin(ATTEND_ID, self.mac_fields[ATTEND_ID],
                                           [q, q_pre, k, v, positions, match_pos, slots, qring, oring, ring_lse,
                                            ring_pos])
             for name, t in zip(RING_NAMES, ring_outs):

@@ -25,16 +25,19 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 __all__ = ["KernelSpec", "AotImage", "compile_image", "constant_dim", "static_dim", "same_dim", "triton_ptr_type", "SM90", "HIDDEN_PARAMS",
-           "FLOATS", "AOT_TRITON_PTX_ISA", "check_int_attrs", "check_input_ranks", "check_dims_fit", "check_dtypes", "pow2_head_dim", "destination"]
+           "FLOATS", "AOT_TRITON_VERSIONS", "AOT_PTX_VERSION", "AOT_PTX_ISA", "check_int_attrs", "check_input_ranks", "check_dims_fit", "check_dtypes", "pow2_head_dim", "destination"]
 
 SM90 = 90
 HIDDEN_PARAMS = 2
 # The images are made only with the Tritons they were verified with (3.9.0 here and in CI, 3.6.0 on the
 # device machine, where the images are launched against the reference): their kernels end in HIDDEN_PARAMS
-# scratch pointers, and their PTX targets sm_90a at the ISA below — a driver that JIT-compiles the PTX (what
-# TensorRT's AOT path receives) must support that ISA, else CUDA_ERROR_UNSUPPORTED_PTX_VERSION; the cubin
-# needs an sm_90 GPU (H100 / H200).
-AOT_TRITON_PTX_ISA = {"3.6.0": "9.0", "3.9.0": "9.4"}
+# scratch pointers. Their PTX is pinned to ISA AOT_PTX_VERSION (Triton's ``ptx_version`` option; left to itself
+# Triton writes the newest ISA its ptxas knows: 9.4 for 3.9.0, which only a CUDA 13.4 driver JIT-compiles):
+# 8.0 is sm_90a's minimum and what CUDA 12.0+ drivers load, so cu12 TensorRT deployments can run the PTX that
+# TensorRT's AOT path receives. The cubin needs an sm_90 GPU (H100 / H200).
+AOT_TRITON_VERSIONS = ("3.6.0", "3.9.0")
+AOT_PTX_VERSION = 80
+AOT_PTX_ISA = f"{AOT_PTX_VERSION // 10}.{AOT_PTX_VERSION % 10}"
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)   # the activations' dtypes the plugins take
 
 _PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64",
@@ -202,21 +205,22 @@ def _compile_cached(kernel: Any, signature: tuple, constexprs: tuple, num_warps:
     sig = {**dict(signature), **{k: "constexpr" for k, _ in constexprs}}
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=dict(constexprs))
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+                              options={"num_warps": num_warps, "num_stages": num_stages,
+                                       "ptx_version": AOT_PTX_VERSION})
     if getattr(compiled.metadata, "global_scratch_size", 0) or getattr(compiled.metadata, "profile_scratch_size", 0):
         raise RuntimeError(f"{kernel.fn.__name__}: needs global/profile scratch, which an AOT plugin cannot provide")
     return compiled
 
 
 def compile_image(spec: KernelSpec, arch: int = SM90) -> AotImage:
-    """Compile ``spec`` for ``sm_<arch>`` (no GPU needed: Triton's bundled ptxas)."""
+    """Compile ``spec`` for ``sm_<arch>`` (no GPU needed: Triton's bundled ptxas), PTX at ISA ``AOT_PTX_ISA``."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("TRITON_INTERPRET=1: kernels are interpreted, not compiled; use KernelSpec.launch_jit")
     import triton
 
-    if triton.__version__ not in AOT_TRITON_PTX_ISA:
-        raise RuntimeError(f"AOT images are made only with triton in {sorted(AOT_TRITON_PTX_ISA)} (hidden parameters, "
-                           f"PTX ISA per version: {AOT_TRITON_PTX_ISA}); found triton {triton.__version__}")
+    if triton.__version__ not in AOT_TRITON_VERSIONS:
+        raise RuntimeError(f"AOT images are made only with triton in {AOT_TRITON_VERSIONS} (hidden parameters); "
+                           f"found triton {triton.__version__}")
     compiled = _compile_cached(spec.kernel, spec.signature, spec.constexprs, spec.num_warps, spec.num_stages, arch)
     return AotImage(spec=spec, kernel_name=compiled.metadata.name, ptx=compiled.asm["ptx"],
                     cubin=compiled.asm["cubin"], block=(compiled.metadata.num_warps * 32, 1, 1),

@@ -51,9 +51,14 @@ def require_tensorrt():
 
 
 def image_to_tensorrt(trtp, image: AotImage):
-    """``(kernel_name, ptx, KernelLaunchParams, SymIntExprs)`` as an ``aot_impl`` returns them."""
+    """``(kernel_name, ptx, KernelLaunchParams, SymIntExprs)`` as an ``aot_impl`` returns them.
+
+    ``grid_x`` is the batch ``B`` (a dim expression), which is 0 on a TensorRT-LLM step without generation tokens:
+    the launch uses ``B + (B == 0)`` programs (never an empty grid, which CUDA refuses) and the kernels return at
+    once for a program ``>= B``."""
     launch = trtp.KernelLaunchParams()
-    launch.grid_x, launch.grid_y, launch.grid_z = image.grid
+    grid_x = image.grid[0]
+    launch.grid_x, launch.grid_y, launch.grid_z = grid_x + (grid_x == 0), image.grid[1], image.grid[2]
     launch.block_x, launch.block_y, launch.block_z = image.block
     launch.shared_mem = image.shared_mem
     extra = trtp.SymIntExprs(len(image.extra_args))

@@ -17,11 +17,12 @@ plugins is already registered), so the two must differ. Plugin version is ``"1"`
 """
 from __future__ import annotations
 
+import os
 import re
 
 __all__ = ["NATIVE_NAMESPACE", "PYTHON_NAMESPACE", "PLUGIN_VERSION", "python_id", "native_id", "split_id",
            "MIN_PYTHON_PLUGINS", "MIN_ALIASED_IO", "MIN_TENSORRT", "TensorRTVersionError", "parse_version",
-           "require_version"]
+           "require_version", "load_plugin_library"]
 
 NATIVE_NAMESPACE = "mac"
 PYTHON_NAMESPACE = "mac_py"
@@ -86,3 +87,23 @@ def require_version(package: str, found: str, minimum: tuple[int, ...], what: st
         need = ".".join(map(str, minimum))
         raise TensorRTVersionError(f"{what} needs {package} >= {need}; found {package} {found}")
     return have
+
+
+# ---------------------------------------------------------------- plugin libraries
+# TensorRT's plugin registry is one per process (``get_plugin_registry()`` of a Builder, a Runtime and the module
+# return the same registry), and ``load_library`` of a library already loaded fails (its creators are registered)
+_LOADED_LIBRARIES: dict[str, object] = {}
+
+
+def load_plugin_library(registry, path) -> object:
+    """Load the plugin library at ``path`` into TensorRT's process-wide ``registry`` once per process; returns the
+    handle of the first load. ``RuntimeError`` naming ``path`` when TensorRT refuses it (``load_library`` returned
+    None: a creator of the same name / version / namespace is already registered, or the file does not load)."""
+    key = os.path.realpath(os.fspath(path))
+    if key not in _LOADED_LIBRARIES:
+        handle = registry.load_library(key)
+        if handle is None:
+            raise RuntimeError(f"TensorRT refused to load the plugin library {path} (a creator of the same "
+                               f"name/version/namespace is already registered, or the library does not load)")
+        _LOADED_LIBRARIES[key] = handle
+    return _LOADED_LIBRARIES[key]

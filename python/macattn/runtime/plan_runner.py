@@ -24,7 +24,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from macattn.plugins.trt_compat import MIN_TENSORRT, require_version
+from macattn.plugins.trt_compat import MIN_TENSORRT, load_plugin_library, require_version
 
 __all__ = ["RING_NAMES", "StepFn", "require_tensorrt_runtime", "TensorRTPlan", "GraphDecoder", "GraphShapes"]
 
@@ -59,8 +59,8 @@ class TensorRTPlan:
         self._trt = trt
         self.logger = trt.Logger(trt.Logger.WARNING)
         self.runtime = trt.Runtime(self.logger)
-        if plugin_library is not None and self.runtime.get_plugin_registry().load_library(str(plugin_library)) is None:
-            raise RuntimeError(f"TensorRT refused to load the plugin library {plugin_library}")
+        if plugin_library is not None:
+            load_plugin_library(self.runtime.get_plugin_registry(), plugin_library)     # once per process
         self.engine = self.runtime.deserialize_cuda_engine(Path(path).read_bytes())
         if self.engine is None:
             raise RuntimeError(f"TensorRT could not deserialize {path} (built by another TensorRT version or GPU?)")

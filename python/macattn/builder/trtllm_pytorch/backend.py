@@ -1,27 +1,40 @@
 """MAC as a sparse-attention algorithm of TensorRT-LLM's PyTorch backend — the classes that subclass upstream.
 
-**Written against upstream sources, never run** (TensorRT-LLM cannot be installed in this workplace; see
-``docs/tensorrt.md`` "TensorRT-LLM PyTorch backend" for the files and commits read). Nothing here is
-defined until :func:`load` imports ``tensorrt_llm``; without it (or with one lacking a name these classes
-need) :func:`require_trtllm_pytorch` raises ``ImportError`` naming ``tensorrt_llm >= 1.2`` and what is missing.
+**Written against upstream sources, never run against TensorRT-LLM** (it cannot be installed in this workplace;
+see ``docs/tensorrt.md`` "TensorRT-LLM PyTorch backend" for the files and the pinned commit read). Nothing here
+is defined until :func:`load` imports ``tensorrt_llm``; without it, outside ``TRTLLM_PYTORCH_RANGE`` (1.2.x), or
+with one lacking a name these classes need, :func:`require_trtllm_pytorch` raises ``ImportError`` naming the
+range and what is missing.
 
 :func:`load` returns :class:`MacTrtllmClasses`:
 
 * ``MacSparseAttentionConfig`` — subclass of ``llmapi.llm_args.BaseSparseAttentionConfig`` with
   ``algorithm = "mac"``, ``window`` / ``band`` / ``tau`` / ``layer_overrides`` (validated by ``MacConfig``).
+  The classes are importable as ``macattn.builder.trtllm_pytorch.registered.<name>``: a config pickled into
+  the LLM API's spawned executor worker is unpickled there by that name, which runs :func:`install` in the
+  worker (where nobody called it).
 * ``MacKVCacheManager`` — subclass of ``pyexecutor.resource_manager.KVCacheManager`` that owns the ring pools
   in the RocketKV pattern (``RocketKVCacheManager`` owns its KT-cache pool beside the paged KV): one ring slot
   per running request (``RingSlotTable`` over ``SlotFreeList(max_batch_size)``), assigned in
   ``prepare_resources`` / ``add_dummy_requests``, released in ``free_resources``; the rings themselves
   (``MacState``, all layers) are allocated at the first attention forward, which knows ``Hq`` / ``d`` / dtype.
+  ``get_cache_size_per_token`` declares them to the KV-cache size estimator (RocketKV overrides it for its KT
+  cache): upstream's bytes per token plus one ring slot spread over ``max_seq_len`` tokens
+  (``ring_slots.ring_bytes_per_token``). KV block reuse is refused (a reused prefix is never seen by the
+  attention, so its request's rings would stay empty): ``KvCacheConfig(enable_block_reuse=False)``.
 * ``MacTrtllmAttentionMetadata`` — subclass of ``TrtllmAttentionMetadata`` whose ``prepare()`` also builds
-  the step's ``MacStepInputs`` and context spans (``plan_inputs``) on the host.
+  the step's ``MacStepInputs`` and context spans (``plan_inputs``) on the host. These are new tensors each
+  step, so a captured CUDA graph would replay the capture step's inputs: ``create_cuda_graph_metadata`` (what
+  upstream's CUDA-graph runner calls before capturing) and ``prepare()`` of graph metadata raise ``ValueError``
+  asking for ``cuda_graph_config=None``.
 * ``MacTrtllmAttention`` — subclass of ``TrtllmAttention`` (``support_fused_rope() is True``: the model hands
   it the pre-RoPE ``q``). ``forward`` first runs ``TrtllmAttention.forward`` unchanged (RoPE, KV-cache write,
   attention for every token), then seeds the rings of whole-prompt context requests and replaces the
   generation tokens' output rows by MAC's (``MacDecodePlan.run`` over TensorRT-LLM's paged pool).
   It therefore computes the dense generation attention too: correct, **not yet faster** — a path that
-  appends K/V without attending is what a speed-up needs (not in TensorRT-LLM's op).
+  appends K/V without attending is what a speed-up needs (not in TensorRT-LLM's op). ``sparse_kv_predict`` /
+  ``sparse_attn_predict`` (which upstream's forward calls whenever a sparse config is set, and whose base
+  versions raise ``NotImplementedError``) return ``(None, None)``: no KV or attention sparsity in that op.
 
 :func:`install` makes TensorRT-LLM dispatch ``algorithm == "mac"`` to these classes. Upstream's dispatch
 (``_torch/attention_backend/sparse/registry.py``) is a fixed ``if / elif`` chain with no registration hook, so
@@ -33,8 +46,8 @@ by name). ``LlmArgs.sparse_attention_config`` is a closed pydantic union: the LL
 Limits (checked where stated): beam width 1 (manager), one query token per generation request (no draft
 tokens; ``mac_step_inputs``), KV cache in bf16/fp16 with K and V (``paged_kv_views`` / the plan's checks),
 full-width rotate-half RoPE with none/linear scaling (``RopeSpec.from_rope_params``), NHD pool layout as
-``KVCacheManager.get_buffers`` returns it. ``prepare()`` does host work and allocates: not CUDA-graph safe.
-Chunked context (a context chunk not starting at 0) leaves the rings empty: decode misses until they fill.
+``KVCacheManager.get_buffers`` returns it, no CUDA graphs, no KV block reuse. Chunked context (a context chunk
+not starting at 0) leaves the rings empty: decode misses until they fill.
 """
 from __future__ import annotations
 
@@ -47,12 +60,20 @@ from macattn.methods.mac.config import MacConfig
 from macattn.plugins.trt_compat import TensorRTVersionError, parse_version
 
 from .plan_inputs import BatchView, RopeSpec, context_spans, mac_step_inputs, paged_kv_views, rope_rotate
-from .ring_slots import RingSlotTable, SlotFreeList
+from .ring_slots import RingSlotTable, SlotFreeList, ring_bytes_per_token
 
-__all__ = ["MIN_TRTLLM_PYTORCH", "REQUIRED_NAMES", "require_trtllm_pytorch", "MacTrtllmClasses", "load", "install"]
+__all__ = ["TRTLLM_PYTORCH_RANGE", "REQUIRED_NAMES", "REGISTERED_MODULE", "CLASS_NAMES", "require_trtllm_pytorch",
+           "MacTrtllmClasses", "load", "install"]
 
-MIN_TRTLLM_PYTORCH = (1, 2)
+# [first, last) tensorrt_llm versions this module is written for: the 1.2 line, whose TrtllmAttention.forward
+# calls sparse_kv_predict / sparse_attn_predict(q, k, metadata, **kwargs) (trtllm.py at the commit pinned in
+# docs/tensorrt.md); 1.3 (main) reworked that forward (AttentionForwardArgs) and the KV-cache managers
+TRTLLM_PYTORCH_RANGE = ((1, 2), (1, 3))
 ALGORITHM = "mac"
+# where the classes _define makes are importable (and picklable): the worker process unpickles them by name
+REGISTERED_MODULE = "macattn.builder.trtllm_pytorch.registered"
+CLASS_NAMES = {"MacSparseAttentionConfig": "config", "MacKVCacheManager": "kv_cache_manager",
+               "MacTrtllmAttentionMetadata": "metadata", "MacTrtllmAttention": "attention"}
 # (module, names) this layer subclasses or patches; all read at the commits named in docs/tensorrt.md
 REQUIRED_NAMES = (
     ("tensorrt_llm._torch.attention_backend.interface", ("AttentionBackend", "AttentionMetadata")),
@@ -62,20 +83,22 @@ REQUIRED_NAMES = (
     ("tensorrt_llm._torch.pyexecutor.resource_manager", ("KVCacheManager",)),
     ("tensorrt_llm.llmapi.llm_args", ("BaseSparseAttentionConfig",)),
 )
-_HINT = ("macattn's TensorRT-LLM PyTorch-backend module needs tensorrt_llm >= "
-         f"{'.'.join(map(str, MIN_TRTLLM_PYTORCH))} (its PyTorch backend with _torch.attention_backend.sparse); "
-         "install the `tensorrt-llm` wheel from NVIDIA's package index")
+_RANGE = (f"tensorrt_llm >= {'.'.join(map(str, TRTLLM_PYTORCH_RANGE[0]))}, "
+          f"< {'.'.join(map(str, TRTLLM_PYTORCH_RANGE[1]))}")
+_HINT = (f"macattn's TensorRT-LLM PyTorch-backend module needs {_RANGE} (its PyTorch backend with "
+         "_torch.attention_backend.sparse, as read at the commit docs/tensorrt.md pins); install that "
+         "`tensorrt-llm` wheel from NVIDIA's package index")
 
 
 def require_trtllm_pytorch() -> dict[str, object]:
     """``{name: object}`` of every ``REQUIRED_NAMES`` entry, else ``ImportError`` (``TensorRTVersionError`` for
-    an old version) naming ``tensorrt_llm >= 1.2`` and the modules / names missing."""
+    a version outside ``TRTLLM_PYTORCH_RANGE``) naming the range and the modules / names missing."""
     try:
         import tensorrt_llm
     except ImportError as exc:
         raise ImportError(f"{_HINT} ({exc})") from exc
     version = str(getattr(tensorrt_llm, "__version__", "0"))
-    if parse_version(version)[:2] < MIN_TRTLLM_PYTORCH:
+    if not TRTLLM_PYTORCH_RANGE[0] <= parse_version(version)[:2] < TRTLLM_PYTORCH_RANGE[1]:
         raise TensorRTVersionError(f"{_HINT}; found tensorrt_llm {version}")
     found, missing = {}, []
     for module, names in REQUIRED_NAMES:
@@ -149,7 +172,7 @@ def install() -> list[str]:
     return sorted(rebound)
 
 
-def _define(up: dict[str, object]) -> MacTrtllmClasses:  # pragma: no cover - needs tensorrt_llm (never run here)
+def _define(up: dict[str, object]) -> MacTrtllmClasses:
     from typing import Literal, Optional
 
     from pydantic import Field
@@ -179,6 +202,7 @@ def _define(up: dict[str, object]) -> MacTrtllmClasses:  # pragma: no cover - ne
         def supports_backend(self, backend: str) -> bool:
             return backend == "pytorch"
 
+
     class MacKVCacheManager(KVCacheManager):
         """Paged KV (upstream's) plus MAC's ring pools, one ring slot per running request."""
 
@@ -186,6 +210,10 @@ def _define(up: dict[str, object]) -> MacTrtllmClasses:  # pragma: no cover - ne
                      max_seq_len, max_batch_size, mapping, sparse_attn_config=None, max_beam_width: int = 1, **kwargs):
             if sparse_attn_config is None or getattr(sparse_attn_config, "algorithm", None) != ALGORITHM:
                 raise ValueError("MacKVCacheManager needs sparse_attn_config with algorithm='mac'")
+            if getattr(kv_cache_config, "enable_block_reuse", False):
+                raise ValueError("MAC seeds a request's rings from its whole prompt; with KV block reuse a reused "
+                                 "prefix never reaches the attention and the rings stay empty: set "
+                                 "kv_cache_config.enable_block_reuse=False (KvCacheConfig(enable_block_reuse=False))")
             if max_beam_width != 1:
                 raise ValueError(f"MAC keeps one ring row per request: max_beam_width must be 1, got {max_beam_width}")
             super().__init__(kv_cache_config, kv_cache_type, num_layers=num_layers, num_kv_heads=num_kv_heads,
@@ -195,6 +223,24 @@ def _define(up: dict[str, object]) -> MacTrtllmClasses:  # pragma: no cover - ne
             self.ring_pool = SlotFreeList(max_batch_size)
             self.ring_slots = RingSlotTable(self.ring_pool)
             self.mac_state: Optional[MacState] = None
+
+        @staticmethod
+        def get_cache_size_per_token(model_config, mapping, **kwargs):
+            """Upstream's KV bytes per token plus the rings' (``ring_slots.ring_bytes_per_token``: one slot of
+            every layer's rings, ``Hq`` of this tensor-parallel rank, in the model dtype, over ``max_seq_len``
+            tokens), so the estimator leaves room for them before the pool takes its fraction."""
+            base = KVCacheManager.get_cache_size_per_token(model_config, mapping, **kwargs)
+            pc = model_config.pretrained_config
+            heads = int(pc.num_attention_heads)
+            tp = 1 if getattr(mapping, "enable_attention_dp", False) else int(getattr(mapping, "tp_size", 1))
+            head_dim = getattr(pc, "head_dim", None)
+            head_dim = int(head_dim) if isinstance(head_dim, int) else int(pc.hidden_size) // heads
+            dtype = getattr(model_config, "torch_dtype", None) or getattr(pc, "torch_dtype", None) or torch.bfloat16
+            max_seq_len = kwargs.get("max_seq_len") or int(pc.max_position_embeddings)
+            rings = ring_bytes_per_token(model_config.sparse_attention_config.mac_config(),
+                                         num_layers=int(pc.num_hidden_layers), num_q_heads=heads // tp,
+                                         head_dim=head_dim, query_dtype=dtype, max_seq_len=int(max_seq_len))
+            return base + rings
 
         def ensure_rings(self, num_q_heads: int, head_dim: int, query_dtype: torch.dtype, device) -> MacState:
             """The rings of every layer (``MacState`` indexed by the model-wide layer index), allocated once."""
@@ -221,7 +267,12 @@ def _define(up: dict[str, object]) -> MacTrtllmClasses:  # pragma: no cover - ne
             self.ring_slots.free(request.py_request_id)
 
     class MacTrtllmAttentionMetadata(TrtllmAttentionMetadata):
+        def create_cuda_graph_metadata(self, *args, **kwargs):
+            raise ValueError(_NO_CUDA_GRAPHS)
+
         def prepare(self):
+            if getattr(self, "is_cuda_graph", False):
+                raise ValueError(_NO_CUDA_GRAPHS)
             super().prepare()
             self.mac_step = self.mac_spans = None
             mgr = self.kv_cache_manager
@@ -246,6 +297,15 @@ def _define(up: dict[str, object]) -> MacTrtllmClasses:  # pragma: no cover - ne
             self.mac_rope = RopeSpec.from_rope_params(pos_embd_params.rope, head_dim, is_neox=pos_embd_params.is_neox)
             self._mac_tables = None
             self._mac_plans = {}
+
+        def sparse_kv_predict(self, q, k, metadata, *args, **kwargs):
+            """No KV sparsity in TensorRT-LLM's op: ``(sparse_kv_indices, sparse_kv_offsets) = (None, None)``
+            (MAC replaces the generation rows after it, in ``forward``)."""
+            return None, None
+
+        def sparse_attn_predict(self, q, k, metadata, *args, **kwargs):
+            """No attention sparsity in TensorRT-LLM's op: ``(None, None)``."""
+            return None, None
 
         def _tables(self, device):
             if self._mac_tables is None:
@@ -298,5 +358,14 @@ def _define(up: dict[str, object]) -> MacTrtllmClasses:  # pragma: no cover - ne
             out.view(out.shape[0], -1).index_copy_(0, step.rows, mac_out.reshape(G, H * d).to(out.dtype))
             return out
 
-    return MacTrtllmClasses(MacSparseAttentionConfig, MacKVCacheManager, MacTrtllmAttentionMetadata,
-                            MacTrtllmAttention)
+    classes = MacTrtllmClasses(MacSparseAttentionConfig, MacKVCacheManager, MacTrtllmAttentionMetadata,
+                               MacTrtllmAttention)
+    for name, attr in CLASS_NAMES.items():
+        cls = getattr(classes, attr)
+        cls.__module__, cls.__qualname__ = REGISTERED_MODULE, name
+    return classes
+
+
+_NO_CUDA_GRAPHS = ("MAC's decode inputs (token rows, positions, ring slots, page tables) are new tensors built on the "
+                   "host by prepare() each step, so a captured CUDA graph would replay the capture step's inputs: run "
+                   "TensorRT-LLM without CUDA graphs (cuda_graph_config=None)")

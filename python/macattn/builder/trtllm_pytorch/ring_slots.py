@@ -7,6 +7,9 @@ the request ends (``pyexecutor/resource_manager.py``). Our rings are addressed b
 any pool with the ``SlotPool`` protocol (``acquire() -> int`` resets and hands out a free slot,
 ``release(slot)`` resets and returns it), so a request's rows are empty when it gets them and when it gives
 them back: no entry of one request is ever a match candidate for the next owner.
+
+:func:`ring_bytes_per_request` / :func:`ring_bytes_per_token` size the rings for TensorRT-LLM's KV-cache
+estimator (``MacKVCacheManager.get_cache_size_per_token``).
 """
 from __future__ import annotations
 
@@ -15,8 +18,34 @@ from typing import Iterable, Protocol
 import torch
 
 from macattn.core.slot_pool import SlotStatePool
+from macattn.methods.mac.config import MacConfig
+from macattn.methods.mac.state import MacState
 
-__all__ = ["SlotSource", "RingSlotTable", "SlotFreeList"]
+__all__ = ["SlotSource", "RingSlotTable", "SlotFreeList", "ring_bytes_per_request", "ring_bytes_per_token"]
+
+
+def ring_bytes_per_request(cfg: MacConfig, *, num_layers: int, num_q_heads: int, head_dim: int,
+                           query_dtype: torch.dtype) -> int:
+    """Bytes of one ring slot over ``num_layers`` layers: exactly what ``MacState.allocate`` (all layers,
+    ``qring [S, Hq, K_l, d]`` in ``query_dtype``, ``oring`` fp32, ``ring_lse`` fp32, ``ring_pos`` int64, the
+    two-stage sketch ring where configured) allocates per slot. Measured on the ``meta`` device (nothing
+    allocated)."""
+    state = MacState.allocate(cfg, num_layers=num_layers, num_slots=1, num_q_heads=num_q_heads, head_dim=head_dim,
+                              query_dtype=query_dtype, device="meta")
+    rings = [*state.qring, *state.oring, *state.ring_lse, *state.ring_pos, *(s for s in state.sring if s is not None)]
+    return sum(t.numel() * t.element_size() for t in rings)
+
+
+def ring_bytes_per_token(cfg: MacConfig, *, num_layers: int, num_q_heads: int, head_dim: int,
+                         query_dtype: torch.dtype, max_seq_len: int) -> int:
+    """One ring slot's bytes spread over the ``max_seq_len`` tokens a request may hold (rounded up): what a
+    per-token KV-cache estimator must add so that a pool sized for ``max_batch_size`` full-length requests
+    also leaves room for their ``max_batch_size`` ring slots. ``ValueError`` naming ``max_seq_len`` if < 1."""
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be an int >= 1, got {max_seq_len!r}")
+    per_request = ring_bytes_per_request(cfg, num_layers=num_layers, num_q_heads=num_q_heads, head_dim=head_dim,
+                                         query_dtype=query_dtype)
+    return -(-per_request // max_seq_len)
 
 
 class SlotSource(Protocol):
