@@ -242,13 +242,11 @@ def test_finetune_trains_only_mka_weights_and_resumes_exactly(tmp_path):
     assert json.loads((tmp_path / "a" / "step_000002" / "meta.json").read_text())["step"] == 2
 
 
-def test_cli_register_adds_finetune_mka():
-    import argparse
+def test_cli_adds_finetune_mka():
+    from macattn.apps.finetune_mka import FinetuneConfig
+    from macattn.cli import build_parser
 
-    from macattn.apps.finetune_mka import FinetuneConfig, register
-
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers(dest="command"))
+    parser = build_parser()
     args = parser.parse_args(["finetune-mka", "--out", "x", "--summary", "ema", "--steps", "3"])
     assert args.func is not None and args.summary == "ema" and args.steps == 3 and args.dtype == "bf16"
     with pytest.raises(SystemExit):
