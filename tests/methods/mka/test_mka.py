@@ -10,6 +10,7 @@ from macattn.methods.mka.config import MkaConfig
 from macattn.methods.mka.reference import (MkaFusion, causal_summary_reference, hashed_chunk_recall_reference, route_fused_decode_reference, router_reference)
 from macattn.models.mka import mka_parameters, patch_mka, unpatch_mka
 from macattn.models.builtin import FAMILIES, build_builtin_model
+from macattn.models.transformers_api import CACHE_KWARG, returned_cache
 from macattn.methods.mka import ops as ops_mka  # noqa: F401
 
 
@@ -26,10 +27,10 @@ def _decode(model, ids, prefill):
     """Logits of ``ids [B, T]``: prefill ``prefill`` tokens, then one token per call with the cache."""
     with torch.no_grad():
         out = model(ids[:, :prefill], use_cache=True)
-        pkv, steps = out.past_key_values, [out.logits]
+        pkv, steps = returned_cache(out), [out.logits]
         for t in range(prefill, ids.shape[1]):
-            out = model(ids[:, t:t + 1], past_key_values=pkv, use_cache=True)
-            pkv = out.past_key_values
+            out = model(ids[:, t:t + 1], **{CACHE_KWARG: pkv}, use_cache=True)
+            pkv = returned_cache(out)
             steps.append(out.logits)
     return torch.cat(steps, 1)
 
