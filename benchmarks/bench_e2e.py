@@ -54,6 +54,7 @@ from cuda_timing import graph_replay_us, replay_us  # noqa: E402
 
 from macattn.methods.base import AttentionMethod, Capabilities, ModelDims  # noqa: E402
 from macattn.methods.full.config import FullConfig  # noqa: E402
+from macattn.models.transformers_api import CACHE_KWARG  # noqa: E402
 from macattn.methods.mac.config import MacConfig  # noqa: E402
 from macattn.models.attention import unbind  # noqa: E402
 from macattn.runtime.config import RuntimeConfig  # noqa: E402
@@ -281,7 +282,7 @@ def run_hf_compile(model, B: int, context: int, args, device) -> dict:
     cache_pos = torch.tensor([context], device=device)
 
     def step():
-        return model(input_ids=ids, position_ids=pos, cache_position=cache_pos, past_key_values=cache,
+        return model(input_ids=ids, position_ids=pos, cache_position=cache_pos, **{CACHE_KWARG: cache},
                      use_cache=True, logits_to_keep=1).logits.argmax(-1)
 
     with torch.inference_mode():

@@ -7,18 +7,21 @@ one folder per method) < ``models`` (the transformers integration) < ``runtime``
 (engine and serving | graph export and engine builds) < ``evaluation`` < ``apps`` < ``cli``.
 """
 
-from macattn.core.summaries import AttentionSummary, merge_summaries, remove_summary, summarize
-from macattn.methods.mac.config import LayerMacParams, MacConfig
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["AttentionSummary", "LayerMacParams", "MacConfig", "merge_summaries", "remove_summary",
-           "summarize", "LLM", "SamplingParams", "__version__"]
+# the public names and their modules, imported on first use: ``import macattn`` (and ``macattn --help``)
+# loads neither torch nor transformers
+_EXPORTS = {"AttentionSummary": "core.summaries", "merge_summaries": "core.summaries",
+            "remove_summary": "core.summaries", "summarize": "core.summaries",
+            "LayerMacParams": "methods.mac.config", "MacConfig": "methods.mac.config",
+            "LLM": "apps.llm", "SamplingParams": "apps.llm"}
+__all__ = [*_EXPORTS, "__version__"]
 
 
 def __getattr__(name: str):
-    """``LLM`` / ``SamplingParams`` (the LLM API, ``macattn.apps.llm``), imported on first use."""
-    if name in ("LLM", "SamplingParams"):
-        from macattn.apps import llm
-
-        return getattr(llm, name)
+    """The public names of ``_EXPORTS`` (the LLM API ``LLM`` / ``SamplingParams`` among them), from their
+    module on first use."""
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"macattn.{_EXPORTS[name]}"), name)
     raise AttributeError(f"module 'macattn' has no attribute {name!r}")

@@ -1,5 +1,4 @@
 """RULER-style task generators and the ``macattn eval`` harness on the random built-in model."""
-import argparse
 import json
 import random
 from collections import Counter
@@ -9,7 +8,8 @@ import torch
 
 from macattn.methods.mac.config import MacConfig
 from macattn.evaluation import tasks as T
-from macattn.evaluation.harness import EvalSettings, byte_encoder, register, run_eval
+from macattn.evaluation.harness import EvalSettings, byte_encoder, run_eval
+from macattn.cli import build_parser
 from macattn.methods.a3.config import A3Config
 from macattn.evaluation.methods import A3Fusion, Mac, RetrievalCompletion
 from macattn.methods.completion.completion_on_miss import MissCompletionConfig
@@ -157,8 +157,7 @@ def test_cli_writes_json_and_pngs(tmp_path, model, monkeypatch):
     import macattn.evaluation.harness as harness
 
     monkeypatch.setattr(harness, "load_eval_model", lambda which, **kw: (model, ENC, HAY, [], "test haystack"))
-    p = argparse.ArgumentParser()
-    register(p.add_subparsers())
+    p = build_parser()
     out = tmp_path / "eval_tiny.json"
     a = p.parse_args(["eval", "--model", "random", "--lengths", "256", "--tasks", "niah_single", "--n", "1",
                       "--gen", "3", "--taus", "0.0", "--window", "64", "--band", "16", "--bands", "0,16",

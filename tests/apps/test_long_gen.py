@@ -1,11 +1,11 @@
 """``macattn eval --long-gen``: free-running long generation against full attention; one prefill replayed."""
-import argparse
 import json
 
 import pytest
 import torch
 
-from macattn.evaluation.harness import byte_encoder, register
+from macattn.evaluation.harness import byte_encoder
+from macattn.cli import build_parser
 from macattn.evaluation.long_gen import LongGenSettings, long_generate, run_long_gen
 from macattn.evaluation.methods import Mac, Prefill
 from macattn.methods.mac.config import MacConfig
@@ -79,8 +79,7 @@ def test_cli_long_gen_writes_json_and_png(tmp_path, monkeypatch):
     import macattn.evaluation.harness as harness
 
     monkeypatch.setattr(harness, "load_eval_model", lambda which, **kw: (_small_model(), ENC, HAY, [], "test"))
-    p = argparse.ArgumentParser()
-    register(p.add_subparsers())
+    p = build_parser()
     out = tmp_path / "long.json"
     a = p.parse_args(["eval", "--long-gen", "--long-gen-tokens", "16", "--lengths", "200", "--tasks", "niah_single",
                       "--window", "64", "--band", "8", "--taus", "0.0", "--two-stage", "--bins", "4",
@@ -97,8 +96,7 @@ def test_runs_split_per_method_merge_into_the_single_run(tmp_path, monkeypatch):
     import macattn.evaluation.harness as harness
 
     monkeypatch.setattr(harness, "load_eval_model", lambda which, **kw: (_small_model(), ENC, HAY, [], "test"))
-    p = argparse.ArgumentParser()
-    register(p.add_subparsers())
+    p = build_parser()
     common = ["eval", "--long-gen", "--long-gen-tokens", "12", "--lengths", "300", "--tasks", "niah_single,vt",
               "--window", "64", "--band", "8", "--taus", "0.0", "--bins", "4"]
     runs = {"both": ["--two-stage"], "uniform": [], "two_stage": ["--two-stage", "--no-uniform"]}

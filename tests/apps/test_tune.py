@@ -7,7 +7,8 @@ import torch
 
 from macattn.methods.mac.config import MacConfig
 from macattn.evaluation.harness import byte_encoder
-from macattn.apps.tune import TuneSettings, calibration_prompts, measure, register, tune
+from macattn.apps.tune import TuneSettings, calibration_prompts, measure, tune
+from macattn.cli import build_parser
 
 ENC = byte_encoder(2048)
 HAY = torch.randint(300, 2048, (4096,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -95,8 +96,7 @@ def test_cli_writes_config_and_report(tmp_path, monkeypatch):
     import macattn.evaluation.harness as harness
 
     monkeypatch.setattr(harness, "load_eval_model", lambda which, **kw: (_small_model(), ENC, HAY, [], "test"))
-    p = argparse.ArgumentParser()
-    register(p.add_subparsers())
+    p = build_parser()
     out, rep = tmp_path / "tune.json", tmp_path / "tune_report.json"
     a = p.parse_args(["tune", "--model", "random", "--taus", "0.0", "--windows", "64", "--bands", "16",
                       "--lengths", "200", "--n", "1", "--gen", "2", "--window", "64", "--band", "0", "--tau", "0.0",
@@ -164,8 +164,7 @@ def test_cli_min_agreement_on_an_hf_checkpoint_dir(tmp_path):
 
     hf_dir = tmp_path / "hf"
     _small_model().save_pretrained(hf_dir)
-    p = argparse.ArgumentParser()
-    register(p.add_subparsers())
+    p = build_parser()
     out, rep = tmp_path / "per_layer.json", tmp_path / "report.json"
     a = p.parse_args(["tune", "--model", str(hf_dir), "--min-agreement", "0.99", "--max-error", "0.5",
                       "--thresholds", "both", "--taus", "0.0,0.6", "--windows", "64", "--bands", "0",

@@ -19,6 +19,7 @@ from macattn.builder.onnx_ort import bf16_tensor_names, widen_bf16  # noqa: E402
 from macattn.cli import main  # noqa: E402
 from macattn.models.attention import patch_model  # noqa: E402
 from macattn.models.builtin import build_builtin_model  # noqa: E402
+from macattn.models.transformers_api import CACHE_KWARG, returned_cache  # noqa: E402
 from test_export_onnx import MAC_ON, N, SMALL, _decode_and_compare  # noqa: E402
 
 
@@ -103,10 +104,10 @@ def test_graph_decoder_loop_over_the_engine_dir_graphs(bf16_engine):
     want = []
     with torch.no_grad():
         out = ref(input_ids=ids, use_cache=True)
-        pkv, tok = out.past_key_values, out.logits[:, -1].argmax(-1)
+        pkv, tok = returned_cache(out), out.logits[:, -1].argmax(-1)
         want.append(tok)
         for _ in range(5):
-            out = ref(input_ids=tok.view(2, 1), past_key_values=pkv, use_cache=True)
+            out = ref(input_ids=tok.view(2, 1), **{CACHE_KWARG: pkv}, use_cache=True)
             tok = out.logits[:, -1].argmax(-1)
             want.append(tok)
     assert torch.equal(got, torch.stack(want, 1))

@@ -2,7 +2,7 @@
 
 Each family's graph runs in ONNX Runtime (custom nodes = the reference via
 onnxruntime-extensions Python ops) for 8 decode steps next to the patched HF model
-(``model(input_ids=tok, past_key_values=...)``); logits, new K/V, updated rings and the
+(``model(input_ids=tok, cache=...)``); logits, new K/V, updated rings and the
 match decisions must agree.
 """
 import json
@@ -29,6 +29,7 @@ from macattn.models.attention import binding_of, patch_model  # noqa: E402
 from macattn.cli import main  # noqa: E402
 from macattn.methods.mac.config import MacConfig  # noqa: E402
 from macattn.models.builtin import build_builtin_model  # noqa: E402
+from macattn.models.transformers_api import CACHE_KWARG, returned_cache  # noqa: E402
 
 SMALL = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, vocab_size=512)
@@ -53,7 +54,7 @@ def _decode_and_compare(model, decode_path, *, prefill_path=None, mac_on=True):
     ids = _ids()
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
-    pkv = out.past_key_values
+    pkv = returned_cache(out)
     slots = ctx.slots.clone()
     rings = [[t[slots].clone() for t in ctx.state.layer(l)] for l in range(N)]   # a 2-slot ring copy
     local = torch.arange(2)
@@ -79,7 +80,7 @@ def _decode_and_compare(model, decode_path, *, prefill_path=None, mac_on=True):
         state = [t for l in range(N) for t in (keys[l], values[l], *rings[l])]
         got = run_session(sess, dict(zip(ins, [tok, torch.full((2,), m), local, *state])))
         with torch.no_grad():
-            ref = model(input_ids=tok, past_key_values=pkv, use_cache=True)
+            ref = model(input_ids=tok, **{CACHE_KWARG: pkv}, use_cache=True)
         _close(got["logits"], ref.logits[:, -1], f"step {step} logits")
         for l in range(N):
             _close(got[f"key.{l}.new"], pkv.layers[l].keys[:, :, -1:], f"step {step} key.{l}.new")

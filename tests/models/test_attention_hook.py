@@ -5,6 +5,7 @@ import torch
 from macattn.models.attention import binding_of, patch_model, unpatch_model
 from macattn.methods.mac.config import MacConfig
 from macattn.models.builtin import FAMILIES, build_builtin_model
+from macattn.models.transformers_api import CACHE_KWARG, returned_cache
 
 SMALL = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, vocab_size=512)
@@ -42,7 +43,7 @@ def test_prefill_seeds_rings_so_first_decode_step_can_hit():
         pos = ctx.state.ring_pos[0][int(ctx.slots[0])]
         assert sorted(pos.tolist()) == list(range(24, 40))          # the last K prompt positions
         assert torch.isfinite(ctx.state.ring_lse[0][int(ctx.slots[0])]).all()   # all have t - r >= 0
-        model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
+        model(input_ids=out.logits[:, -1:].argmax(-1), **{CACHE_KWARG: returned_cache(out)}, use_cache=True)
     assert ctx.state.diagnostics.hits.sum() > 0   # tau=0 admits anything closer than sqrt(2d)
 
 

@@ -37,74 +37,22 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from macattn.apps.trainer_common import (add_trainer_args, freeze, load_checkpoint, optimizer_step, random_windows,
+from macattn.apps.configs import DistillConfig, LossConfig
+from macattn.apps.trainer_common import (freeze, load_checkpoint, optimizer_step, random_windows,
                                          resume_step, run_fields, save_checkpoint, save_due, step_bar,
                                          step_generator, write_report)
-from macattn.core.validation import check_float, check_int
-
 from macattn.models.attention import capture_qkv
 from macattn.methods.completion.feature_maps import (CompletionFeatureMaps, FeatureMapSpec, maps_for_model,  # noqa: F401
                                                     save_feature_maps, student_logits)
 
 __all__ = ["DistillConfig", "LossConfig", "distill_loss", "teacher_student_logits", "distill", "calibrate_mass",
            "log_partition_bias", "load_model_and_tokens",
-           "maps_for_model", "register"]
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Hyper-parameters of ``distill_loss`` (see the module docstring for the formula)."""
-
-    temperature: float = 2.0
-    delta: float = 1.0
-    top_band: float = 2.0
-    far: float = 6.0
-    aux_weight: float = 1.0
-    w_top: float = 1.0
-    w_far: float = 1.0
-    w_logz: float = 1.0
-
-    def __post_init__(self):
-        for name in ("temperature", "delta", "top_band"):
-            check_float(name, getattr(self, name), 0.0, lo_open=True)
-        check_float("far", self.far, self.top_band)
-        for name in ("aux_weight", "w_top", "w_far", "w_logz"):
-            check_float(name, getattr(self, name), 0.0)
-
-
-@dataclass(frozen=True)
-class DistillConfig:
-    """steps >= 1, batch >= 1, seq_len > n_sink + n_tail + n_queries, lr > 0."""
-
-    steps: int = 200
-    batch: int = 4
-    seq_len: int = 512
-    n_queries: int = 16
-    n_sink: int = 16
-    n_tail: int = 64
-    lr: float = 3e-3
-    save_every: int = 50
-    seed: int = 0
-    calibrate_windows: int = 4
-
-    def __post_init__(self):
-        for name, lo in (("steps", 1), ("batch", 1), ("n_queries", 1), ("n_sink", 0), ("n_tail", 0),
-                         ("save_every", 1), ("calibrate_windows", 0)):
-            check_int(name, getattr(self, name), lo)
-        if self.seq_len <= self.n_sink + self.n_tail + self.n_queries:
-            raise ValueError(f"seq_len must be > n_sink + n_tail + n_queries = "
-                             f"{self.n_sink + self.n_tail + self.n_queries}, got {self.seq_len}")
-        check_float("lr", self.lr, 0.0, lo_open=True)
-
-    @property
-    def mid(self) -> tuple[int, int]:
-        n = self.seq_len - self.n_queries
-        return self.n_sink, n - self.n_tail
+           "maps_for_model", "run_command"]
 
 
 def _huber(x: torch.Tensor, delta: float) -> torch.Tensor:
@@ -253,38 +201,25 @@ def load_model_and_tokens(*, family: str = "llama", model_dir: str | None = None
     return model.float().eval(), ids
 
 
-def _cmd(args) -> int:
+def run_command(args) -> int:
+    """``macattn distill-completion`` with its parsed flags (``macattn.cli`` defines them); ``--model builtin``
+    is the packaged trained checkpoint (``--model-dir`` its directory)."""
+    from macattn.models.checkpoint import BUILTIN_CHECKPOINT_DIR
+    from macattn.models.names import BUILTIN_MODEL
+
     cfg = DistillConfig(**run_fields(args), n_queries=args.n_queries, n_sink=args.n_sink, n_tail=args.n_tail)
     loss_cfg = LossConfig(temperature=args.temperature)
     torch.manual_seed(args.seed)
-    model, tokens = load_model_and_tokens(family=args.model, model_dir=args.model_dir, corpus=args.corpus,
+    model_dir = args.model_dir or (str(BUILTIN_CHECKPOINT_DIR) if args.model == BUILTIN_MODEL else None)
+    model, tokens = load_model_and_tokens(family=args.model, model_dir=model_dir, corpus=args.corpus,
                                           seed=args.seed)
     maps = maps_for_model(model, feature_dim=args.features, hidden=args.hidden, seed=args.seed)
     model, maps = model.to(args.device), maps.to(args.device)
     report = distill(model, tokens, cfg, maps, args.out, loss_cfg=loss_cfg, resume=args.resume,
                      progress=not args.no_progress)
-    report["model"] = args.model_dir or f"builtin-{args.model}"
+    report["model"] = args.model_dir or (BUILTIN_MODEL if args.model == BUILTIN_MODEL else f"builtin-{args.model}")
     print(json.dumps({"loss_first": report["losses"][0] if report["losses"] else None,
                       "loss_last": report["losses"][-1] if report["losses"] else None,
                       "maps": str(Path(args.out) / "feature_maps.safetensors")}, indent=1))
     write_report(args.json, report)
     return 0
-
-
-def register(sub) -> None:
-    """Add ``distill-completion`` to the argparse subparsers ``sub``."""
-    p = sub.add_parser("distill-completion",
-                       help="train the retrieval-completion feature maps (phi_q, phi_k) by distillation")
-    cfg = DistillConfig()
-    add_trainer_args(
-        p, cfg, out_help="checkpoint / output directory",
-        source=("--model-dir", dict(default=None, help="trained checkpoint dir (e.g. macattn/data/tiny_llama)")),
-        shape=[("--n-queries", dict(type=int, default=cfg.n_queries,
-                                    help="decode queries per window (its last positions)")),
-               ("--n-sink", dict(type=int, default=cfg.n_sink)),
-               ("--n-tail", dict(type=int, default=cfg.n_tail)),
-               ("--features", dict(type=int, default=64, help="feature dimension F")),
-               ("--hidden", dict(type=int, default=128, help="ReZero block inner width"))],
-        optim=[("--temperature", dict(type=float, default=LossConfig().temperature))],
-        extra=[("--device", dict(default="cpu", help="torch device of the model and the maps (e.g. cuda)"))])
-    p.set_defaults(func=_cmd)

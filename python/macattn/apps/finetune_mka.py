@@ -20,20 +20,19 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from macattn.apps.trainer_common import (add_trainer_args, freeze, load_checkpoint, optimizer_step, random_windows,
+from macattn.apps.configs import FinetuneConfig
+from macattn.apps.trainer_common import (freeze, load_checkpoint, optimizer_step, random_windows,
                                          resume_step, run_fields, save_checkpoint, save_due, step_bar,
                                          step_generator, token_cross_entropy, versions, write_report)
-from macattn.core.validation import check_choice, check_float, check_int
-
 from macattn.methods.mka.config import MkaConfig
 from macattn.models.mka import mka_parameters, patch_mka
 
-__all__ = ["FinetuneConfig", "stdlib_corpus", "split_corpus", "finetune", "register"]
+__all__ = ["FinetuneConfig", "stdlib_corpus", "split_corpus", "finetune", "run_command"]
 
 STDLIB_MODULES = ("json", "collections", "itertools", "functools", "argparse", "pathlib", "textwrap", "string",
                   "re", "typing", "dataclasses", "inspect", "subprocess", "shutil", "logging", "unittest",
@@ -41,26 +40,6 @@ STDLIB_MODULES = ("json", "collections", "itertools", "functools", "argparse", "
                   "contextlib", "abc", "enum", "copy", "pprint", "tempfile", "zipfile", "tarfile", "gzip",
                   "urllib.parse", "http.client", "email.message", "sqlite3", "threading", "queue", "asyncio",
                   "socket", "struct", "codecs", "difflib", "glob", "fnmatch", "operator", "weakref", "ast")
-
-
-@dataclass(frozen=True)
-class FinetuneConfig:
-    """steps >= 1, batch >= 1, seq_len >= 2, lr > 0, eval_batches >= 1, dtype "bf16"|"fp32"."""
-
-    steps: int = 60
-    batch: int = 8
-    seq_len: int = 128
-    lr: float = 3e-2
-    eval_batches: int = 8
-    save_every: int = 20
-    seed: int = 0
-    dtype: str = "bf16"
-
-    def __post_init__(self):
-        for name, lo in (("steps", 1), ("batch", 1), ("seq_len", 2), ("eval_batches", 1), ("save_every", 1)):
-            check_int(name, getattr(self, name), lo)
-        check_float("lr", self.lr, 0.0, lo_open=True)
-        check_choice("dtype", self.dtype, ("bf16", "fp32"))
 
 
 def stdlib_corpus() -> dict[str, str]:
@@ -175,8 +154,12 @@ def finetune(model, train: torch.Tensor, heldout: torch.Tensor, cfg: FinetuneCon
     }
 
 
-def _cmd(args) -> int:
+def run_command(args) -> int:
+    """``macattn finetune-mka`` with its parsed flags (``macattn.cli`` defines them); ``--model builtin`` is
+    the packaged trained checkpoint (``--from`` its directory)."""
     from macattn.models.builtin import build_builtin_model
+    from macattn.models.checkpoint import BUILTIN_CHECKPOINT_DIR
+    from macattn.models.names import BUILTIN_MODEL
 
     cfg = FinetuneConfig(**run_fields(args), eval_batches=args.eval_batches, dtype=args.dtype)
     mka = MkaConfig(summary=args.summary, ema_beta=args.ema_beta, router_hidden=args.router_hidden, l3=args.l3,
@@ -188,33 +171,17 @@ def _cmd(args) -> int:
     else:
         docs = stdlib_corpus()
     train, held = split_corpus(docs)
-    if args.from_dir:
+    from_dir = args.from_dir or (str(BUILTIN_CHECKPOINT_DIR) if args.model == BUILTIN_MODEL else None)
+    if from_dir:
         from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(args.from_dir, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(from_dir, attn_implementation="sdpa")
     else:
         model = build_builtin_model(args.model, seed=args.seed)
     torch.manual_seed(args.seed)
     report = finetune(model, train, held, cfg, mka, args.out, resume=args.resume, progress=not args.no_progress)
-    report["model"] = args.from_dir or f"builtin-{args.model}"
+    report["model"] = args.from_dir or (BUILTIN_MODEL if args.model == BUILTIN_MODEL else f"builtin-{args.model}")
     report["corpus"] = args.corpus or "python-stdlib-docstrings"
     print(json.dumps({k: report[k] for k in ("ppl_unmodified", "ppl_step0", "ppl_after", "loss_step0", "loss_after")},
                      indent=1))
     write_report(args.json, report)
     return 0
-
-
-def register(sub) -> None:
-    """Add ``finetune-mka`` to the argparse subparsers ``sub``."""
-    p = sub.add_parser("finetune-mka", help="train the FastMKA routing weights of a model (only those), report perplexity")
-    cfg = FinetuneConfig()
-    add_trainer_args(
-        p, cfg, out_help="checkpoint directory",
-        source=("--from", dict(dest="from_dir", default=None,
-                               help="transformers model directory instead of the built-in")),
-        optim=[("--eval-batches", dict(type=int, default=cfg.eval_batches))],
-        extra=[("--dtype", dict(choices=("bf16", "fp32"), default=cfg.dtype)),
-               ("--summary", dict(choices=("mean", "ema"), default="mean")),
-               ("--ema-beta", dict(type=float, default=0.9)),
-               ("--router-hidden", dict(type=int, default=64)),
-               ("--l3", dict(action="store_true", help="enable L3 hashed chunk recall"))])
-    p.set_defaults(func=_cmd)

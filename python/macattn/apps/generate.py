@@ -1,13 +1,16 @@
 """The main job: decode a long prompt with full attention and with MAC, compare.
 
-Default model: the built-in trained checkpoint (``macattn.models.checkpoint``) on a needle-in-a-haystack
-prompt over held-out text; ``llama``/``qwen2``/``mistral`` are random-weight built-in models on a
+Default model: the built-in trained checkpoint (``builtin``, ``macattn.models.checkpoint``) on a
+needle-in-a-haystack prompt over held-out text; ``llama``/``qwen2``/``mistral`` are random-weight built-in models on a
 repetitive token prompt (no language, but every architecture).
 
 gpt-fast style plain loop: one prefill, then one token per step through the model's KV
 cache. The MAC run is teacher-forced on the full-attention tokens, so greedy agreement is
 measured per step on identical prefixes, and every decode step also records the relative
 error of each layer's attention output against full attention on the same inputs.
+
+Progress: one bar over the phases (``PHASES``: the load, then each run's prefill and generation) on
+stderr, with each generation's per-token bar under it.
 """
 from __future__ import annotations
 
@@ -17,14 +20,18 @@ import random
 from dataclasses import asdict, dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from macattn.methods.mac.config import MacConfig
 from macattn.models.builtin import BUILTIN, build_builtin_model
 from macattn.models.generation import greedy_decode, repetitive_prompt
+from macattn.models.names import BUILTIN_MODEL, BUILTIN_NAMES
+from macattn.models.transformers_api import no_transformers_progress
 
-__all__ = ["GenerateReport", "TRAINED", "run_generate"]
+__all__ = ["GenerateReport", "PHASES", "RUNS", "run_generate"]
 
-TRAINED = "tiny-llama"  # the packaged trained checkpoint, the default model
+RUNS = ("full attention", "MAC", "MAC error vs full")   # the three decodes of one prompt
+PHASES = ("load", *(f"{phase} ({run})" for run in RUNS for phase in ("prefill", "generate")))
 
 
 @dataclass
@@ -71,16 +78,21 @@ def _trained_setup(context: int, seed: int):
     from macattn.evaluation.tasks import haystack_from, make_sample
 
     model, tok = load_builtin_checkpoint()
-    sample = make_sample("niah_single", context, random.Random(seed), tok.encode,
-                         haystack_from(tok.encode(heldout_text())), bos=[tok.bos_token_id])
+    # the held-out text is longer than the model's context: it is a haystack to cut from, not one input
+    haystack = haystack_from(tok.encode(heldout_text(), verbose=False))
+    sample = make_sample("niah_single", context, random.Random(seed), tok.encode, haystack, bos=[tok.bos_token_id])
     c = model.config
-    desc = (f"trained {TRAINED} ({c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads} "
-            f"heads, d={c.head_dim}; needle prompt over held-out text)")
+    desc = (f"{BUILTIN_MODEL}, the trained checkpoint ({c.num_hidden_layers} layers, {c.num_attention_heads}/"
+            f"{c.num_key_value_heads} heads, d={c.head_dim}; needle prompt over held-out text)")
     return model, sample.ids, desc, dict(tokenizer=tok, expected=tok.decode(sample.answer))
 
 
-def run_generate(*, family: str = TRAINED, context: int = 4096, new_tokens: int = 64,
-                 mac: MacConfig | None = None, seed: int = 0, json_path: str | None = None) -> GenerateReport:
+def run_generate(*, family: str = BUILTIN_MODEL, context: int = 4096, new_tokens: int = 64,
+                 mac: MacConfig | None = None, seed: int = 0, json_path: str | None = None,
+                 progress: bool | None = None) -> GenerateReport:
+    """The main job on ``family``: the packaged trained checkpoint (any of ``BUILTIN_NAMES``) or a random-weight
+    built-in family (module doc). ``progress``: the phase bars shown (True), hidden (False) or shown when
+    stderr is a terminal (None)."""
     from macattn.models.attention import patch_model, unpatch_model
 
     if context < 2:
@@ -89,27 +101,45 @@ def run_generate(*, family: str = TRAINED, context: int = 4096, new_tokens: int 
         raise ValueError(f"new_tokens must be >= 2, got {new_tokens}")
     mac = mac or MacConfig()
     needle = None
-    if family == TRAINED:
-        model, ids, desc, needle = _trained_setup(context, seed)
-        if context > model.config.max_position_embeddings - new_tokens:
-            raise ValueError(f"context must be <= {model.config.max_position_embeddings - new_tokens} for "
-                             f"{TRAINED}, got {context}")
-        prompt = torch.tensor([ids])
-    else:
-        model = build_builtin_model(family, seed=seed,
-                                    max_position_embeddings=max(BUILTIN["max_position_embeddings"], context + new_tokens))
-        prompt = repetitive_prompt(context, model.config.vocab_size, seed=seed)
-        desc = (f"built-in {family} ({BUILTIN['num_hidden_layers']} layers, {BUILTIN['num_attention_heads']}/"
-                f"{BUILTIN['num_key_value_heads']} heads, d={BUILTIN['head_dim']}, random weights, seed {seed})")
+    bar = tqdm(total=len(PHASES), desc="macattn generate", bar_format="{desc}: {n}/{total} phases |{bar}| {elapsed}{postfix}",
+               disable=None if progress is None else not progress)
+    bar.set_postfix_str(PHASES[0])
+    with no_transformers_progress():
+        if family in BUILTIN_NAMES:
+            model, ids, desc, needle = _trained_setup(context, seed)
+            if context > model.config.max_position_embeddings - new_tokens:
+                raise ValueError(f"context must be <= {model.config.max_position_embeddings - new_tokens} for "
+                                 f"{BUILTIN_MODEL}, got {context}")
+            prompt = torch.tensor([ids])
+        else:
+            model = build_builtin_model(family, seed=seed, max_position_embeddings=max(
+                BUILTIN["max_position_embeddings"], context + new_tokens))
+            prompt = repetitive_prompt(context, model.config.vocab_size, seed=seed)
+            desc = (f"built-in {family} ({BUILTIN['num_hidden_layers']} layers, {BUILTIN['num_attention_heads']}/"
+                    f"{BUILTIN['num_key_value_heads']} heads, d={BUILTIN['head_dim']}, random weights, seed {seed})")
+    bar.update()
 
-    full_tokens, full_s = greedy_decode(model, prompt, new_tokens, desc="full attention")
+    def decode(run: str, **kw) -> tuple[list[int], float]:
+        """One of ``RUNS``: its prefill and its generation, two phases of the bar."""
+        def on_step(i: int, _token: int) -> None:
+            if i == 0:                      # the prefill's token: generation starts
+                bar.update()
+                bar.set_postfix_str(f"generate ({run})")
+
+        bar.set_postfix_str(f"prefill ({run})")
+        out = greedy_decode(model, prompt, new_tokens, desc=run, on_step=on_step, progress=progress, **kw)
+        bar.update()
+        return out
+
+    full_tokens, full_s = decode(RUNS[0])
     ctx = patch_model(model, mac, num_slots=1)
-    mac_tokens, mac_s = greedy_decode(model, prompt, new_tokens, forced=full_tokens, desc="MAC")
+    mac_tokens, mac_s = decode(RUNS[1], forced=full_tokens)
     diag = ctx.state.diagnostics
     ctx.record_error = True
     diag.reset()
-    greedy_decode(model, prompt, new_tokens, forced=full_tokens, desc="MAC error vs full")
+    decode(RUNS[2], forced=full_tokens)
     unpatch_model(model)
+    bar.close()
 
     steps = diag.steps.sum()
     if needle is not None:

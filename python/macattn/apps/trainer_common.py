@@ -4,8 +4,8 @@
   ``(seed, step)``, so a resumed run sees the same data as an uninterrupted one);
 * the step: ``freeze`` (the frozen model), ``token_cross_entropy``, ``optimizer_step``;
 * the step loop: ``resume_step``, ``step_bar``, ``save_due``;
-* the command line: ``add_trainer_args`` / ``run_fields`` (the flags every trainer command has),
-  ``write_report``, ``versions``;
+* the command line: ``run_fields`` (the values of the flags every trainer command has; ``macattn.cli``
+  defines the flags), ``write_report``, ``versions``;
 * resumable checkpoints: ``latest_checkpoint``, ``save_checkpoint``, ``load_checkpoint``.
 
 A checkpoint is ``<out>/step_<n>/{<weights file>, optim.safetensors, meta.json}``: the trained
@@ -22,19 +22,14 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from macattn.models.builtin import FAMILIES
-
-__all__ = ["RUN_FIELDS", "Flag", "step_generator", "random_windows", "freeze", "token_cross_entropy",
-           "optimizer_step", "resume_step", "step_bar", "save_due", "add_trainer_args", "run_fields",
+__all__ = ["RUN_FIELDS", "step_generator", "random_windows", "freeze", "token_cross_entropy",
+           "optimizer_step", "resume_step", "step_bar", "save_due", "run_fields",
            "write_report", "versions", "latest_checkpoint", "save_checkpoint", "load_checkpoint"]
 
 OPTIM_FILE = "optim.safetensors"
 
 RUN_FIELDS = ("steps", "batch", "seq_len", "lr", "save_every", "seed")
 """The fields of a trainer's config dataclass (and of its command line) that every trainer has."""
-
-Flag = tuple[str, dict]
-"""One command-line flag: ``(option string, keyword arguments of ArgumentParser.add_argument)``."""
 
 
 # -- data ----------------------------------------------------------------------------------------
@@ -106,36 +101,6 @@ def save_due(done: int, cfg) -> bool:
 
 
 # -- the command line ----------------------------------------------------------------------------
-
-def _add(p: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
-    for name, kw in flags:
-        p.add_argument(name, **kw)
-
-
-def add_trainer_args(p: argparse.ArgumentParser, defaults, *, source: Flag, out_help: str,
-                     shape: Sequence[Flag] = (), optim: Sequence[Flag] = (), extra: Sequence[Flag] = ()) -> None:
-    """Add the flags of a trainer command to ``p``, in this order: ``--model`` (built-in family),
-    ``source`` (where a trained model comes from instead), ``--corpus``, ``--out`` (help
-    ``out_help``), ``--resume``, ``--steps``, ``--batch``, ``--seq-len``, ``shape``, ``--lr``,
-    ``optim``, ``--save-every``, ``--seed``, ``extra``, ``--json``, ``--no-progress``. The defaults
-    of the ``RUN_FIELDS`` flags are the fields of ``defaults`` (the trainer's default config)."""
-    p.add_argument("--model", choices=FAMILIES, default="llama", help="built-in model family")
-    _add(p, [source])
-    p.add_argument("--corpus", default=None, help="UTF-8 text file (default: Python stdlib docstrings)")
-    p.add_argument("--out", required=True, help=out_help)
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    p.add_argument("--steps", type=int, default=defaults.steps)
-    p.add_argument("--batch", type=int, default=defaults.batch)
-    p.add_argument("--seq-len", type=int, default=defaults.seq_len)
-    _add(p, shape)
-    p.add_argument("--lr", type=float, default=defaults.lr)
-    _add(p, optim)
-    p.add_argument("--save-every", type=int, default=defaults.save_every)
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    _add(p, extra)
-    p.add_argument("--json", default=None, help="write the report here")
-    p.add_argument("--no-progress", action="store_true")
-
 
 def run_fields(args: argparse.Namespace) -> dict:
     """``{field: value}`` of the ``RUN_FIELDS`` in parsed ``args`` (keywords of a trainer's config)."""

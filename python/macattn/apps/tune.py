@@ -38,15 +38,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from macattn.apps.configs import THRESHOLD_MODES
 from macattn.core.validation import check_choice, check_float
 from macattn.methods.mac.config import MacConfig
 from macattn.models.generation import greedy_decode
 
 __all__ = ["TuneSettings", "calibration_prompts", "measure", "measure_many", "tune", "tune_for_agreement",
-           "plot_frontier", "register"]
+           "plot_frontier", "run_command"]
 
 _HELD_OUT_OFFSET = 104729   # sample-seed offset of the held-out prompts (disjoint from calibration's)
-THRESHOLD_MODES = ("paper", "calibrated", "both")   # the threshold rules the agreement search tries
 
 
 def _floats(name, xs, lo, hi):
@@ -349,7 +349,8 @@ def plot_frontier(report: dict, path: str | Path) -> Path:
     return path
 
 
-def _cmd_tune(args) -> int:
+def run_command(args) -> int:
+    """``macattn tune`` with its parsed flags (``macattn.cli`` defines them)."""
     from macattn.evaluation.harness import load_eval_model, parse_csv
 
     if args.threads:
@@ -409,39 +410,3 @@ def _cmd_tune(args) -> int:
           + f" (use with: macattn build --per-layer {args.out}, macattn generate --per-layer {args.out}, "
             f"LLM(..., mac='{args.out}'))")
     return 0
-
-
-def register(sub) -> None:
-    """Add ``macattn tune`` to the CLI's argparse subparsers."""
-    p = sub.add_parser("tune", help="choose per-layer MAC tau, K, r (and calibrated thresholds) maximising KV skip "
-                                    "under an agreement target (--min-agreement) or an error budget")
-    p.add_argument("--model", default="trained",
-                   help="'trained' (the built-in checkpoint), 'random' or any transformers checkpoint directory")
-    p.add_argument("--taus", default="0.3,0.45,0.6,0.75")
-    p.add_argument("--windows", default="512,1024,2048")
-    p.add_argument("--bands", default="64,128,256")
-    p.add_argument("--max-error", "--error-budget", dest="error_budget", default=None,
-                   help="per-layer mean attention-output rel. error bound (> 0); without --min-agreement "
-                        "'default' (also the default when absent): the global default's own per-layer error")
-    p.add_argument("--min-agreement", type=float, default=None,
-                   help="quality first: the most KV skip whose greedy agreement with full attention is at least "
-                        "this (in (0, 1]) on calibration and held-out prompts")
-    p.add_argument("--thresholds", choices=THRESHOLD_MODES, default="paper",
-                   help="threshold rules tried: the paper's sqrt(2d)(1-tau), the calibrated one (per-head query "
-                        "scale from the calibration prompts) or both")
-    p.add_argument("--levels", type=int, default=8, help="per-layer error levels explored (--min-agreement)")
-    p.add_argument("--verify", type=int, default=3, help="feasible configs checked on held-out prompts at most")
-    p.add_argument("--plot", default=None, help="frontier PNG (default: OUT_frontier.png next to --out)")
-    p.add_argument("--device", default="cpu", help="torch device of the model (e.g. cuda)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--lengths", default="4096", help="calibration prompt lengths")
-    p.add_argument("--n", type=int, default=2, help="calibration (and held-out) prompts per length")
-    p.add_argument("--gen", type=int, default=32, help="teacher-forced decode steps per prompt")
-    p.add_argument("--tau", type=float, default=0.45, help="global default tau (compared against)")
-    p.add_argument("--window", type=int, default=1024, help="global default K")
-    p.add_argument("--band", type=int, default=256, help="global default r")
-    p.add_argument("--haystack", default=None, help=".npy of token ids or a text file for the haystack")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="mac_per_layer.json", help="MacConfig JSON to write")
-    p.add_argument("--report", default=None, help="also write the search statistics here (JSON)")
-    p.set_defaults(func=_cmd_tune)

@@ -31,6 +31,7 @@ import torch
 from macattn.methods.base import StepContext
 from macattn.methods.mac.backend import MacAttention
 from macattn.models.attention import ModelBinding, binding_of, is_patched
+from macattn.models.transformers_api import CACHE_KWARG
 
 __all__ = ["DecodeStepModule", "PrefillStepModule", "RING_NAMES", "decode_io_names", "prefill_io_names",
            "model_dims"]
@@ -105,7 +106,7 @@ def _run_layers(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cach
     hidden = inner.embed_tokens(input_ids)
     pe = inner.rotary_emb(hidden, position_ids)
     for layer in inner.layers[: model.config.num_hidden_layers]:
-        hidden = layer(hidden, attention_mask=None, position_ids=position_ids, past_key_values=cache,
+        hidden = layer(hidden, attention_mask=None, position_ids=position_ids, **{CACHE_KWARG: cache},
                        use_cache=True, position_embeddings=pe)
     hidden = inner.norm(hidden)
     return model.lm_head(hidden[:, -1]).float()

@@ -37,22 +37,15 @@ from tqdm.auto import tqdm
 
 from macattn.methods.mac.config import MacConfig
 from macattn.models.generation import greedy_decode
+from macattn.models.names import BUILTIN_NAMES
 from macattn.methods.completion.completion_on_miss import MissCompletionConfig
 from macattn.evaluation import tasks as T
 from macattn.methods.a3.config import A3Config
 from macattn.evaluation.methods import A3Fusion, EvalMethod, Mac, Prefill, RetrievalCompletion
-from macattn.evaluation.samples import EvalSettings, make_samples
+from macattn.evaluation.samples import PRESETS, EvalSettings, make_samples
 
 __all__ = ["EvalSettings", "PRESETS", "make_samples", "run_eval", "band_sweep", "plot", "load_eval_model",
-           "register", "byte_encoder", "parse_csv"]
-
-
-PRESETS = {
-    "quick": dict(settings=EvalSettings(lengths=(4096,), n=1, gen=32), taus=(0.45,), bands=(0, 64, 256),
-                  sweep_samples=1, a3_rhos=(0.1,)),
-    "full": dict(settings=EvalSettings(lengths=(4096, 8192, 16384), n=4, gen=128), taus=(0.3, 0.45, 0.6, 0.75),
-                 bands=(0, 32, 64, 128, 256, 512), sweep_samples=4, a3_rhos=(0.1, 0.2)),
-}
+           "run_command", "byte_encoder", "parse_csv"]
 
 
 def byte_encoder(vocab_size: int, offset: int = 3) -> Callable[[str], list]:
@@ -287,8 +280,8 @@ def _read_haystack(path: Path, encode: Callable) -> list:
 
 
 def load_eval_model(which: str, *, seed: int = 0, haystack: str | None = None, device: str = "cpu"):
-    """``(model, encode, haystack_ids, bos, description)`` for ``which`` = ``"trained"`` (the packaged
-    checkpoint), ``"random"`` (the random built-in LLaMA, byte-level "tokenizer") or a checkpoint dir: one
+    """``(model, encode, haystack_ids, bos, description)`` for ``which`` = ``"builtin"`` (the packaged
+    checkpoint; any of ``BUILTIN_NAMES``), ``"random"`` (the random built-in LLaMA, byte-level "tokenizer") or a checkpoint dir: one
     of the built-in checkpoint's format (``tokenizer.json`` + ``heldout.txt``) or any transformers
     ``*ForCausalLM`` directory of a supported family (its ``AutoTokenizer``; without one, UTF-8 bytes mod
     the vocabulary). The model is put on ``device`` in eval mode.
@@ -304,17 +297,17 @@ def load_eval_model(which: str, *, seed: int = 0, haystack: str | None = None, d
         model = build_builtin_model("llama", seed=seed)
         encode = byte_encoder(model.config.vocab_size)
         bos = []
-    elif which == "trained" or ((Path(which) / "tokenizer.json").is_file() and (Path(which) / "heldout.txt").is_file()):
+    elif which in BUILTIN_NAMES or ((Path(which) / "tokenizer.json").is_file() and (Path(which) / "heldout.txt").is_file()):
         from macattn.models.checkpoint import BUILTIN_CHECKPOINT_DIR, load_builtin_checkpoint
 
-        ckpt = BUILTIN_CHECKPOINT_DIR if which == "trained" else Path(which)
+        ckpt = BUILTIN_CHECKPOINT_DIR if which in BUILTIN_NAMES else Path(which)
         model, tok = load_builtin_checkpoint(ckpt)
         encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
         bos = [tok.bos_token_id]
     else:
         if not (Path(which) / "config.json").is_file():
-            raise FileNotFoundError(f"--model must be 'trained', 'random' or a transformers checkpoint directory "
-                                    f"(with config.json), got {which!r}")
+            raise FileNotFoundError(f"--model must be one of {list(BUILTIN_NAMES)}, 'random' or a transformers "
+                                    f"checkpoint directory (with config.json), got {which!r}")
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(which, attn_implementation="sdpa").eval()
@@ -400,7 +393,8 @@ def _write_long_gen(result: dict, out: Path) -> int:
     return 0
 
 
-def _cmd_eval(args) -> int:
+def run_command(args) -> int:
+    """``macattn eval`` with its parsed flags (``macattn.cli`` defines them)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.long_gen or args.long_gen_merge:
@@ -465,53 +459,3 @@ def _cmd_eval(args) -> int:
         print("matplotlib is not installed: no PNG plots")
     print("wrote " + ", ".join(str(p) for p in [out, *pngs]))
     return 0
-
-
-def register(sub) -> None:
-    """Add ``macattn eval`` to the CLI's argparse subparsers."""
-    p = sub.add_parser("eval", help="RULER-style long-context accuracy and fidelity of MAC vs full attention")
-    p.add_argument("--model", default="trained",
-                   help="'trained' (packaged checkpoint), 'random' (random built-in llama) or a checkpoint dir")
-    p.add_argument("--preset", choices=tuple(PRESETS), default="quick",
-                   help="quick: 4K, 1 sample/task, 32 steps (~4 min, 2 cores); "
-                        "full: 4K-16K, 4 samples/task, 128 steps (1-2 h)")
-    p.add_argument("--lengths", default=None, help="comma-separated sample lengths (overrides the preset)")
-    p.add_argument("--tasks", default=None, help=f"comma-separated subset of {','.join(T.TASKS)}")
-    p.add_argument("--n", type=int, default=None, help="samples per task and length")
-    p.add_argument("--gen", type=int, default=None, help="teacher-forced decode steps per sample")
-    p.add_argument("--taus", default=None, help="MAC thresholds to evaluate (comma-separated)")
-    p.add_argument("--window", type=int, default=1024, help="MAC ring capacity K")
-    p.add_argument("--band", type=int, default=256, help="MAC band r")
-    p.add_argument("--bands", default=None, help="band sweep (error vs r) values; '' disables")
-    p.add_argument("--band-sweep-tau", type=float, default=0.45)
-    p.add_argument("--no-completion", dest="completion", action="store_false",
-                   help="skip MAC+completion-on-miss and retrieval-completion")
-    p.add_argument("--completion-tau", type=float, default=0.45, help="tau of MAC with completion on a miss")
-    p.add_argument("--n-sink", type=int, default=16)
-    p.add_argument("--n-tail", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=64)
-    p.add_argument("--feature-dim", type=int, default=64, help="features F of untrained completion maps")
-    p.add_argument("--feature-maps", default=None, help="trained completion feature maps (macattn distill-completion)")
-    p.add_argument("--per-layer", default=None, help="also evaluate this MacConfig JSON (from macattn tune)")
-    p.add_argument("--a3-rhos", default=None, help="A3 recompute ratios to evaluate (comma-separated; '' none; "
-                                                   "default: the preset's)")
-    p.add_argument("--a3-chunk", type=int, default=512, help="A3: document chunk length in tokens")
-    p.add_argument("--a3-question", type=int, default=64, help="A3: the prompt's last tokens taken as the question")
-    p.add_argument("--haystack", default=None, help=".npy of token ids or a text file for the haystack")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="eval.json", help="JSON to write; PNGs go next to it")
-    p.add_argument("--device", default="cpu", help="torch device of the model and the reference MAC (e.g. cuda)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--long-gen", action="store_true",
-                   help="long continuous generation instead: each method generates --long-gen-tokens tokens "
-                        "free-running from the sample's document, then answers its question (first divergence "
-                        "from full attention, accuracy at the end, per-layer hit / skip over time)")
-    p.add_argument("--long-gen-tokens", type=int, default=4096, help="free-running tokens before the question")
-    p.add_argument("--bins", type=int, default=32, help="--long-gen: time bins of the hit / skip summary")
-    p.add_argument("--two-stage", action="store_true", help="--long-gen: also MAC's two-stage match (fp8, c=4)")
-    p.add_argument("--no-uniform", action="store_true",
-                   help="--long-gen: no uniform-tau MAC runs (only --two-stage / --per-layer; one method per "
-                        "process, merged with --long-gen-merge)")
-    p.add_argument("--long-gen-merge", nargs="+", default=None, metavar="JSON",
-                   help="merge --long-gen results of one model and settings into --out (JSON + PNG)")
-    p.set_defaults(func=_cmd_eval)

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from macattn.evaluation import tasks as T
 from macattn.evaluation.methods import EvalMethod, Recorder
 from macattn.evaluation.samples import EvalSettings, make_samples
+from macattn.models.transformers_api import CACHE_KWARG, returned_cache
 
 __all__ = ["LongGenSettings", "long_generate", "run_long_gen", "summarise", "merge_long_gen", "plot_long_gen"]
 
@@ -69,14 +70,14 @@ def long_generate(model, method: EvalMethod | None, document: torch.Tensor, toke
     ctx = method.attach(model) if method is not None else nullcontext()
     with ctx:
         out = model(input_ids=document.to(device), use_cache=True)
-        cache = out.past_key_values
+        cache = returned_cache(out)
         gen = [int(out.logits[0, -1].argmax())]
         t0 = time.perf_counter()
 
         def feed(tok: int) -> int:
             nonlocal cache
-            o = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=cache, use_cache=True)
-            cache = o.past_key_values
+            o = model(input_ids=torch.tensor([[tok]], device=device), **{CACHE_KWARG: cache}, use_cache=True)
+            cache = returned_cache(o)
             return int(o.logits[0, -1].argmax())
 
         for _ in tqdm(range(tokens - 1), desc=desc, leave=False):

@@ -34,6 +34,7 @@ from macattn.methods.base import AttentionMethod, Capabilities, ModelDims, StepC
 from macattn.methods.mac.backend import MacAttention
 from macattn.methods.mac.reference import mac_decode_step_reference
 from macattn.models.attention import bind, binding_of, unbind
+from macattn.models.transformers_api import returned_cache
 from macattn.methods.completion.feature_maps import CompletionFeatureMaps
 from macattn.methods.completion.completion_on_miss import CompletionOnMiss, MissCompletionConfig, random_feature_maps
 
@@ -138,7 +139,7 @@ class Prefill:
             out = model(input_ids=prompt.to(cap.dims.device), use_cache=True)
         finally:
             unbind(model)
-        return cls(prompt, out.logits[0, -1], out.past_key_values, cap.layers)
+        return cls(prompt, out.logits[0, -1], returned_cache(out), cap.layers)
 
     def replay(self, method: AttentionMethod) -> None:
         """Run ``method``'s prefill on every layer's captured inputs (its output is not needed: the

@@ -26,10 +26,10 @@ import torch
 
 from macattn.core.threshold import match_threshold
 from macattn.models.attention import capture_pre_rope_queries
+from macattn.models.names import BUILTIN_NAMES
 from tqdm.auto import tqdm
 
-__all__ = ["RecurrenceSettings", "nearest_in_window", "query_recurrence", "plot",
-           "register"]
+__all__ = ["RecurrenceSettings", "nearest_in_window", "query_recurrence", "plot", "run_command"]
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,8 @@ def plot(results: dict, path: str | Path, *, tau: float = 0.45, window: int = 10
     return path
 
 
-def _cmd_recurrence(args) -> int:
+def run_command(args) -> int:
+    """``macattn recurrence`` with its parsed flags (``macattn.cli`` defines them)."""
     from macattn.evaluation import harness as Hn
 
     settings = RecurrenceSettings(taus=Hn.parse_csv(args.taus, float), windows=Hn.parse_csv(args.windows, int),
@@ -205,7 +206,7 @@ def _cmd_recurrence(args) -> int:
         model = model.to(args.device)
         samples = Hn.make_samples(ev, encode, hay, bos)
         prompts = [torch.tensor([s.ids + s.answer]) for s in samples]
-        name = Path(which).name if which not in ("trained", "random") else which
+        name = Path(which).name if which not in (*BUILTIN_NAMES, "random") else which
         results[name] = dict(query_recurrence(model, prompts, settings, progress=not args.quiet), haystack=hay_desc)
         del model
     out = Path(args.out)
@@ -225,26 +226,3 @@ def _cmd_recurrence(args) -> int:
     except ImportError:
         print(f"wrote {out} (matplotlib is not installed: no PNG)")
     return 0
-
-
-def register(sub) -> None:
-    """Add ``macattn recurrence`` to the CLI's argparse subparsers."""
-    p = sub.add_parser("recurrence", help="oracle MAC hit rate / skip per layer from one forward per prompt "
-                                          "(threshold and window sweeps, several checkpoints)")
-    p.add_argument("--model", nargs="+", default=["trained"],
-                   help="'trained', 'random' or checkpoint dirs (each one line in the table and the plot)")
-    p.add_argument("--lengths", default="4096", help="prompt lengths (comma-separated)")
-    p.add_argument("--tasks", default="niah_single,niah_multikey,vt,cwe", help="RULER-style tasks of the prompts")
-    p.add_argument("--n", type=int, default=2, help="prompts per task and length")
-    p.add_argument("--taus", default="0.3,0.45,0.6,0.75")
-    p.add_argument("--windows", default="256,1024,4096")
-    p.add_argument("--band", type=int, default=256)
-    p.add_argument("--positions", type=int, default=512, help="final tokens of each prompt that are scored")
-    p.add_argument("--plot-tau", type=float, default=0.45)
-    p.add_argument("--plot-window", type=int, default=1024)
-    p.add_argument("--haystack", default=None, help="text file or .npy of ids (default: the checkpoint's heldout.txt)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quiet", action="store_true")
-    p.add_argument("--out", default="recurrence.json", help="JSON to write; the PNG goes next to it")
-    p.set_defaults(func=_cmd_recurrence)

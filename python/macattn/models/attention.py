@@ -22,6 +22,8 @@ import contextlib
 from typing import Iterator
 
 import torch
+
+from macattn.models import transformers_api  # noqa: F401  (before transformers' internals: names an unsupported release)
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 

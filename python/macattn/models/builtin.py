@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from macattn.models.names import FAMILIES
+
 __all__ = ["FAMILIES", "BUILTIN", "builtin_config", "build_builtin_model"]
 
 BUILTIN = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=16384,
                rope_theta=10000.0, tie_word_embeddings=False)
-FAMILIES = ("llama", "qwen2", "mistral")
 
 
 def builtin_config(family: str = "llama", **overrides):

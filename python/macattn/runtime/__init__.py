@@ -8,12 +8,18 @@ plans and CUDA graphs) with ``step_inputs`` (a bucket's static inputs, one stage
 ``engine`` (requests + steps), ``model_runner`` (``ModelRunner.generate``), ``a3_assembly`` +
 ``chunk_store`` (A3's fused prefill, the chunk KV store and the completion method's prefix store).
 """
-from macattn.runtime.config import RuntimeConfig
-from macattn.runtime.engine import LLMEngine, StepOutput
-from macattn.runtime.engine_dir import read_engine_dir, write_engine_dir
-from macattn.runtime.model_runner import ModelRunner
-from macattn.runtime.sampling import SamplingConfig
-from macattn.runtime.slots import SlotStates, TensorSlotState
+import importlib
 
-__all__ = ["RuntimeConfig", "LLMEngine", "StepOutput", "ModelRunner", "SamplingConfig", "SlotStates",
-           "TensorSlotState", "read_engine_dir", "write_engine_dir"]
+# the public names and their modules, imported on first use: ``import macattn.runtime.engine_args`` (the
+# command line's flags) loads neither torch nor the engine
+_EXPORTS = {"RuntimeConfig": "config", "LLMEngine": "engine", "StepOutput": "engine", "ModelRunner": "model_runner",
+            "SamplingConfig": "sampling", "SlotStates": "slots", "TensorSlotState": "slots",
+            "read_engine_dir": "engine_dir", "write_engine_dir": "engine_dir"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """The public names of ``_EXPORTS``, from their module on first use."""
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"macattn.runtime.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'macattn.runtime' has no attribute {name!r}")

@@ -34,6 +34,7 @@ import torch
 from macattn.methods.a3.config import A3Config, FusionMethod
 from macattn.methods.a3.reference import (question_attention_scores, recompute_budget, sink_selection, top_tokens, value_deviation_scores)
 from macattn.models.attention import plain_attention, run_capturing
+from macattn.models.transformers_api import CACHE_KWARG
 
 from macattn.runtime.chunk_store import ChunkKVStore, _ids_tensor, precompute_chunk_kv
 
@@ -122,8 +123,8 @@ def _forward(model, cache: FusedCache, ids: torch.Tensor, positions: torch.Tenso
     ids, positions = ids.to(dev), positions.to(dev)
     cache.write_pos, cache.visible = positions, visible
     mask = (torch.arange(visible, device=dev).view(1, -1) <= positions.view(-1, 1)).view(1, 1, -1, visible)
-    kw = dict(input_ids=ids.view(1, -1), position_ids=positions.view(1, -1), attention_mask=mask,
-              past_key_values=cache, use_cache=True)
+    kw = {"input_ids": ids.view(1, -1), "position_ids": positions.view(1, -1), "attention_mask": mask,
+          CACHE_KWARG: cache, "use_cache": True}
     if logits:
         return model(**kw, logits_to_keep=1).logits[0, -1].float()
     return model.model(**kw)

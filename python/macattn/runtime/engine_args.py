@@ -25,19 +25,21 @@ import textwrap
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import get_type_hints
-
-import torch
+from typing import TYPE_CHECKING, get_type_hints
 
 from macattn.methods.mac.config import MacConfig
-from macattn.runtime.config import RuntimeConfig
+from macattn.models.names import BUILTIN_MODEL, BUILTIN_NAMES
+
+if TYPE_CHECKING:                  # torch and the runtime load when an engine is configured, not with the flags
+    import torch
+
+    from macattn.runtime.config import RuntimeConfig
 
 __all__ = ["EngineArgs", "BUILTIN_NAMES", "DTYPES"]
 
-BUILTIN_NAMES = ("builtin", "trained", "tiny-llama")   # the packaged trained checkpoint: one model, three names
-DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-          "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32,
-          "float": torch.float32}
+DTYPES = {"auto": None, "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+          "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
+"""``dtype`` spellings -> the ``torch`` dtype's name (None: the checkpoint's)."""
 _MAC_OFF, _MAC_ON = "off", "on"
 _PATH_FIELDS = ("model", "tokenizer", "mac", "completion_maps", "prefix_store")
 # flag spellings kept beside the generated ``--field-name`` ones
@@ -50,7 +52,7 @@ class EngineArgs:
     """Everything that configures an engine (module doc). Validated on construction (``ValueError`` /
     ``TypeError`` naming the field and its accepted values)."""
 
-    model: str = "builtin"
+    model: str = BUILTIN_MODEL
     """'builtin' (the packaged trained checkpoint; also 'trained', 'tiny-llama') or a transformers model directory"""
     tokenizer: str | None = None
     """tokenizer directory (default: the model's)"""
@@ -154,7 +156,9 @@ class EngineArgs:
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
-        return DTYPES[self.dtype]
+        import torch
+
+        return None if DTYPES[self.dtype] is None else getattr(torch, DTYPES[self.dtype])
 
     def mac_config(self) -> MacConfig | None:
         """MAC's config (None when the method is not MAC): the file (or the defaults), the explicit global
@@ -170,6 +174,10 @@ class EngineArgs:
         return replace(base, **kw) if kw else base
 
     def runtime_config(self) -> RuntimeConfig:
+        import torch
+
+        from macattn.runtime.config import RuntimeConfig
+
         cuda = torch.device(self.device).type == "cuda" if _is_device(self.device) else False
         return RuntimeConfig(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
                              block_size=self.block_size, num_blocks=self.num_blocks, device=self.device,
@@ -182,6 +190,8 @@ class EngineArgs:
     def load_model(self, *, with_tokenizer: bool = True):
         """``(model, tokenizer)``: the built-in checkpoint or ``AutoModelForCausalLM`` / ``AutoTokenizer`` of
         the model directory (local files only), in ``dtype``; the tokenizer None without ``with_tokenizer``."""
+        import torch
+
         if self.is_builtin:
             from macattn.models.checkpoint import load_builtin_checkpoint
 
@@ -239,6 +249,8 @@ class EngineArgs:
         """KV blocks of ``gpu_memory_utilization`` (its field doc) for ``model`` on this CUDA device; None when it
         does not apply (unset, ``num_blocks`` given, or not CUDA). Each of ``tensor_parallel_size`` ranks holds
         its share of the KV heads and weights; activations and method state come out of the remainder."""
+        import torch
+
         u = self.gpu_memory_utilization
         if u is None or self.num_blocks is not None or not _is_device(self.device) \
                 or torch.device(self.device).type != "cuda":
@@ -312,6 +324,8 @@ class EngineArgs:
 
 
 def _is_device(text: str) -> bool:
+    import torch
+
     try:
         torch.device(text)
         return True

@@ -29,6 +29,7 @@ from macattn.methods.base import AttentionMethod, StepContext
 from macattn.methods.registry import build_method
 from macattn.models.attention import bind, unbind
 from macattn.models.fused import FusedForward
+from macattn.models.transformers_api import CACHE_KWARG
 
 from macattn.runtime.block_manager import BlockManager
 from macattn.runtime.config import RuntimeConfig
@@ -135,7 +136,7 @@ class ModelExecutor:
             # transformers takes a 4-D mask as given: a placeholder skips building an N x N mask that the
             # packed plan (which masks by segment) would ignore
             mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=ids.device)
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=past_key_values,
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **{CACHE_KWARG: past_key_values},
                          use_cache=past_key_values is not None,
                          logits_to_keep=1 if logits_at is None else logits_at).logits
         return out[:, -1] if logits_at is None else out.reshape(-1, out.shape[-1])

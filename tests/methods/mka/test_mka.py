@@ -10,6 +10,7 @@ from macattn.methods.mka.config import MkaConfig
 from macattn.methods.mka.reference import (MkaFusion, causal_summary_reference, hashed_chunk_recall_reference, route_fused_decode_reference, router_reference)
 from macattn.models.mka import mka_parameters, patch_mka, unpatch_mka
 from macattn.models.builtin import FAMILIES, build_builtin_model
+from macattn.models.transformers_api import CACHE_KWARG, returned_cache
 from macattn.methods.mka import ops as ops_mka  # noqa: F401
 
 
@@ -26,10 +27,10 @@ def _decode(model, ids, prefill):
     """Logits of ``ids [B, T]``: prefill ``prefill`` tokens, then one token per call with the cache."""
     with torch.no_grad():
         out = model(ids[:, :prefill], use_cache=True)
-        pkv, steps = out.past_key_values, [out.logits]
+        pkv, steps = returned_cache(out), [out.logits]
         for t in range(prefill, ids.shape[1]):
-            out = model(ids[:, t:t + 1], past_key_values=pkv, use_cache=True)
-            pkv = out.past_key_values
+            out = model(ids[:, t:t + 1], **{CACHE_KWARG: pkv}, use_cache=True)
+            pkv = returned_cache(out)
             steps.append(out.logits)
     return torch.cat(steps, 1)
 
@@ -242,13 +243,11 @@ def test_finetune_trains_only_mka_weights_and_resumes_exactly(tmp_path):
     assert json.loads((tmp_path / "a" / "step_000002" / "meta.json").read_text())["step"] == 2
 
 
-def test_cli_register_adds_finetune_mka():
-    import argparse
+def test_cli_adds_finetune_mka():
+    from macattn.apps.finetune_mka import FinetuneConfig
+    from macattn.cli import build_parser
 
-    from macattn.apps.finetune_mka import FinetuneConfig, register
-
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers(dest="command"))
+    parser = build_parser()
     args = parser.parse_args(["finetune-mka", "--out", "x", "--summary", "ema", "--steps", "3"])
     assert args.func is not None and args.summary == "ema" and args.steps == 3 and args.dtype == "bf16"
     with pytest.raises(SystemExit):

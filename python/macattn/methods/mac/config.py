@@ -11,7 +11,6 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from macattn.core.threshold import match_threshold
 from macattn.core.validation import check_bool, check_choice, check_float, check_int, check_tau
 
 __all__ = ["LayerMacParams", "MacConfig", "CONTEXT_HEAVY_TAU", "GENERATION_HEAVY_TAU", "MISS_POLICIES",
@@ -79,6 +78,8 @@ class LayerMacParams:
 
     def threshold(self, head_dim: int, head: int = 0) -> float:
         """The L2 acceptance radius ``s_h sqrt(2 d) (1 - tau)`` of query head ``head`` for head dimension ``d``."""
+        from macattn.core.threshold import match_threshold   # (torch: not loaded with the config itself)
+
         s = self.match_scale
         return match_threshold(head_dim, self.tau, s[head if len(s) > 1 else 0] if s else 1.0)
 
