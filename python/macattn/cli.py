@@ -100,7 +100,7 @@ def _serve_openai(args) -> int:
     uvicorn = _serve_modules()
 
     from macattn.apps.llm import LLM
-    from macattn.apps.serving.openai_server import build_app
+    from macattn.apps.serving.openai_server import build_app, server_config
 
     eargs = _engine_args(args)
     kwargs = {k: v for k, v in vars(eargs).items() if k != "model"}

@@ -475,6 +475,10 @@ class _Server:
         plan = []     # (prompt index, first choice, text, ids, SamplingParams)
         for i, (text, ids) in enumerate(prompts):
             room = self.max_seq_len - len(ids)
+            if req.max_tokens is not None and room >= 1 and req.max_tokens > room:
+                p.add("max_tokens", f"must be an int in [1, {room}] for this prompt ({len(ids)} tokens; "
+                                    f"max_seq_len={self.max_seq_len}), got {req.max_tokens}")
+                continue
             if req.max_tokens is not None:
                 max_tokens = max(req.max_tokens, 1)
             elif self.default_max_tokens is not None:
