@@ -332,13 +332,14 @@ class LLMEngine:
         (its state may hold part of the failed call). Returns the rows ``prefill_chunks`` would have."""
         rows = []
         for c in chunks:
+            cause = exc
             if len(chunks) > 1 and c.start == 0 and c.seq.num_prefilled == 0:
                 try:
                     rows += self.executor.prefill_chunks([c])
                     continue
                 except Exception as own:   # noqa: BLE001
-                    exc = own
-            outputs.append(self.fail(c.seq, exc))
+                    cause = own
+            outputs.append(self.fail(c.seq, cause))
             rows.append(None)
         return rows
 
