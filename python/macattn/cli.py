@@ -142,14 +142,16 @@ def _serve_openai(args) -> int:
     uvicorn = _serve_modules()
 
     from macattn.apps.llm import LLM
-    from macattn.apps.serving.openai_server import build_app
+    from macattn.apps.serving.openai_server import build_app, server_config
 
     eargs = _engine_args(args)
     kwargs = {k: v for k, v in vars(eargs).items() if k != "model"}
     with LLM(eargs.model, **kwargs) as llm:
         name = args.served_model_name or (BUILTIN_MODEL if eargs.is_builtin else str(eargs.model))
-        server = uvicorn.Server(uvicorn.Config(build_app(llm, name), host=args.address, port=args.http_port,
-                                               log_level="warning", timeout_graceful_shutdown=args.grace_period))
+        server = uvicorn.Server(server_config(build_app(llm, name), args.address, args.http_port,
+                                              grace_period=args.grace_period,
+                                              timeout_keep_alive=args.timeout_keep_alive,
+                                              limit_concurrency=args.limit_concurrency))
 
         async def run() -> None:
             task = asyncio.create_task(server.serve())
@@ -244,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--no-mac", action="store_true", help="MAC off (= --mac off; OpenAI server)")
     EngineArgs.add_cli_args(srv)      # --model and every engine flag (OpenAI server; a --repo carries its own)
     srv.add_argument("--grace-period", type=int, default=10, help="seconds in-flight requests get on SIGTERM")
+    srv.add_argument("--timeout-keep-alive", type=int, default=5,
+                     help="seconds a connection may take to send a request head, and stay idle after a response "
+                          "(OpenAI server)")
+    srv.add_argument("--limit-concurrency", type=int, default=None,
+                     help="most connections / requests at once; more get a 503 (OpenAI server; default: no cap)")
     srv.add_argument("--workdir", default=".tritonserver", help="where the backends copy and the log go")
     srv.add_argument("--address", "--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--http-port", "--port", type=int, default=8000, help="HTTP port; 0 picks a free port")

@@ -12,15 +12,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(llm, name: str = "builtin"):
-    """Serve ``llm`` (``build_app``) until the block ends; yields the base URL ``http://127.0.0.1:PORT``. The LLM is
-    shut down afterwards."""
+def serving(llm, name: str = "builtin", **config):
+    """Serve ``llm`` (``build_app``, ``server_config(**config)``: as ``macattn serve`` does) until the block ends;
+    yields the base URL ``http://127.0.0.1:PORT``. The LLM is shut down afterwards."""
     import uvicorn
 
-    from macattn.apps.serving.openai_server import build_app
+    from macattn.apps.serving.openai_server import build_app, server_config
 
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(llm, name), host="127.0.0.1", port=port, log_level="warning"))
+    srv = uvicorn.Server(server_config(build_app(llm, name), "127.0.0.1", port, **config))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     while not srv.started:

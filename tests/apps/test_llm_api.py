@@ -87,7 +87,7 @@ def test_logprobs_are_the_models_log_softmax():
 def test_bad_requests_are_named_and_run_nothing(llm):
     cases = [
         ({"max_tokens": 0}, "max_tokens must be an int >= 1"),
-        ({"temperature": -0.5}, "temperature must be a finite float >= 0"),
+        ({"temperature": -0.5}, r"temperature must be 0 \(greedy\), a float in \[1e-06, 1e\+06\]"),
         ({"top_p": 1.5}, r"top_p must be a float in \[0, 1\]"),
         ({"n": 0}, "n must be an int >= 1"),
         ({"use_beam_search": True}, "not supported by this engine: use_beam_search=True"),

@@ -292,6 +292,11 @@ def test_default_max_tokens_is_the_rest_of_the_context():
     ({"prompt": [[1, 2], []]}, 400, "prompt[1]"),
     ({"prompt": [1, 99999]}, 400, "prompt"),
     ({"prompt": "hi", "colour": "red"}, 400, "colour"),
+    ({"prompt": "hi", "seed": 1 << 63, "temperature": 1}, 400, "seed"),
+    ({"prompt": "hi", "top_k": 1 << 63, "temperature": 1}, 400, "top_k"),
+    ({"prompt": "hi", "temperature": 1e-40}, 400, "temperature"),
+    ({"prompt": "hi", "repetition_penalty": 1e7}, 400, "repetition_penalty"),
+    ({"prompt": "hi", "max_tokens": 1 << 64}, 400, "max_tokens"),
     ({"prompt": "hi " * 17000, "max_tokens": 4}, 400, "prompt"),
     ({"prompt": "hi", "model": "gpt-9"}, 404, "model"),
 ])

@@ -203,9 +203,9 @@ def test_the_sampler_variant():
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("repetition_penalty", 0.0, r"repetition_penalty must be a finite float > 0"),
-    ("repetition_penalty", float("inf"), r"repetition_penalty must be a finite float > 0"),
-    ("repetition_penalty", "1", r"repetition_penalty must be a float > 0"),
+    ("repetition_penalty", 0.0, r"repetition_penalty must be a finite float in \[1e-06, 1e\+06\]"),
+    ("repetition_penalty", float("inf"), r"repetition_penalty must be a finite float in \[1e-06, 1e\+06\]"),
+    ("repetition_penalty", "1", r"repetition_penalty must be a float in \[1e-06, 1e\+06\]"),
     ("presence_penalty", 2.5, r"presence_penalty must be a finite float in \[-2, 2\]"),
     ("frequency_penalty", -2.01, r"frequency_penalty must be a finite float in \[-2, 2\]"),
     ("frequency_penalty", float("nan"), r"frequency_penalty must be a finite float in \[-2, 2\]"),

@@ -333,3 +333,56 @@ def test_rank0_stuck_in_an_op_after_a_worker_died_exits_with_the_cause(tmp_path)
     assert "RETURNED" not in out
     assert re.search(r"rank 1 \(pid \d+\) exited with code \d+; NCCL cannot release .* exits with code 70", err), err
     assert _gone(pid)
+
+
+def test_the_gpu_killed_worker_script_runs_its_except_path_on_the_cpu(tmp_path):
+    """The GPU test's killed-worker script (``test_tensor_parallel_gpu.killed_worker_script``) over gloo: the names
+    its except path takes resolve (issue 41: a NameError there made rank 0 abort on two GPUs), rank 0 raises
+    ``TensorParallelError`` naming the killed rank, no worker is left."""
+    from test_tensor_parallel_gpu import killed_worker_script
+
+    script = tmp_path / "killed_worker.py"
+    script.write_text(killed_worker_script(timeout=30.0, device="cpu", graphs=False))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        pids = [int(x) for x in proc.stdout.readline().split()]
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, (out, err[-3000:])
+    assert re.search(r"RAISED .*rank 1 \(pid \d+\) exited with code -9", out), out
+    assert pids and all(_gone(pid) for pid in pids)
+
+
+def _listening_addresses(pid: int) -> list[str]:
+    """The IPv4 / IPv6 addresses ``pid``'s listening TCP sockets are bound to (from /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in list(f)[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:         # LISTEN
+                    raw = bytes.fromhex(cols[1].split(":")[0])
+                    words = [raw[i:i + 4][::-1] for i in range(0, len(raw), 4)]   # each 32-bit word little-endian
+                    import ipaddress
+
+                    out.append(str(ipaddress.ip_address(b"".join(words))))
+    return out
+
+
+def test_the_groups_listen_on_the_loopback_interface_only():
+    """Issue 41: the store and both gloo groups accept connections from this host only."""
+    runner = ModelRunner.from_hf(tp_model("llama"), MAC, tp_size=2, max_batch_size=2, block_size=8)
+    group = runner.engine.executor.group
+    listening = [ip for pid in (os.getpid(), *(p.pid for p in group.procs)) for ip in _listening_addresses(pid)]
+    assert listening and all(ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1") for ip in listening), listening

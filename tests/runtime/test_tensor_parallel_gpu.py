@@ -110,10 +110,10 @@ _KILLED_WORKER = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_tensor_parallel import MAC, _prompts, tp_model
     from macattn.runtime import ModelRunner, RuntimeConfig
-    from macattn.runtime.tensor_parallel import EXIT_WEDGED
+    from macattn.runtime.tensor_parallel import TensorParallelError
 
     if __name__ == "__main__":
-        rc = RuntimeConfig(max_batch_size=2, block_size=8, device="cuda", use_cuda_graphs=True,
+        rc = RuntimeConfig(max_batch_size=2, block_size=8, device={device!r}, use_cuda_graphs={graphs},
                            tensor_parallel_size=2, tp_timeout_s={timeout})
         runner = ModelRunner.from_hf(tp_model("llama"), MAC, runtime_config=rc)
         pids = [p.pid for p in runner.engine.executor.group.procs]
@@ -133,6 +133,12 @@ _KILLED_WORKER = textwrap.dedent("""
 """)
 
 
+def killed_worker_script(*, timeout: float, device: str = "cuda", graphs: bool = True) -> str:
+    """The killed-worker script (rank 0 in a child process); ``device="cpu"``: the same script over gloo, which
+    ``test_tensor_parallel.py`` runs on the CPU (its names and except path are the GPU run's)."""
+    return _KILLED_WORKER.format(tests=str(Path(__file__).parent), timeout=timeout, device=device, graphs=graphs)
+
+
 @two_gpus
 def test_killed_worker_ends_an_nccl_group_within_the_timeout(tmp_path):
     """A worker killed mid-generation (SIGKILL) with rank 0 inside the collectives: rank 0 either raises
@@ -141,7 +147,7 @@ def test_killed_worker_ends_an_nccl_group_within_the_timeout(tmp_path):
     no process left behind. Run in a child process: the second outcome ends the process."""
     timeout = 60.0
     script = tmp_path / "killed_worker.py"
-    script.write_text(_KILLED_WORKER.format(tests=str(Path(__file__).parent), timeout=timeout))
+    script.write_text(killed_worker_script(timeout=timeout))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()

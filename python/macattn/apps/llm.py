@@ -46,11 +46,11 @@ import torch
 
 from macattn.methods.mac.config import MacConfig
 from macattn.runtime.engine_args import EngineArgs
-from macattn.runtime.sampling import MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_TOKEN_IDS
+from macattn.runtime.sampling import DIVISOR_RANGE, MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_TOKEN_IDS
 from macattn.runtime.sampling import SamplingConfig as EngineSampling
 from macattn.runtime.word_lists import with_bans
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestHandle", "REFUSED"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestHandle", "RequestError", "REFUSED"]
 
 # fields of vLLM's / TensorRT-LLM's SamplingParams this engine does not implement, accepted only at these
 # values (they leave the output as it is); another value raises "not supported by this engine: name=value"
@@ -118,12 +118,13 @@ class SamplingParams:
     (forked requests; ``RequestOutput.outputs[i]``). ``best_of``: None or ``n`` (more is not supported).
 
     Sampling (greedy iff ``temperature == 0`` or ``top_k == 1``, or none of ``temperature`` > 0, ``top_k`` > 1,
-    ``top_p`` in (0, 1] is given): ``temperature`` float >= 0 (None: 1.0 once sampling). ``top_k`` int >= -1
+    ``top_p`` in (0, 1] is given): ``temperature`` 0 or a float in [1e-6, 1e6]
+    (``DIVISOR_RANGE``; None: 1.0 once sampling). ``top_k`` int >= -1
     (-1 / 0 / None: no cut). ``top_p`` float in [0, 1] (0 / 1 / None: no cut). ``min_p`` float in [0, 1]
     (0 = off). ``seed`` int in [0, 2^63 - 1] (None: ``EngineArgs.seed``'s generator, else a fresh seed); a
     request's tokens depend only on its seed and prompt, never on the batch. ``presence_penalty`` /
     ``frequency_penalty`` float in [-2, 2] (0 = off; OpenAI's, over the generated tokens).
-    ``repetition_penalty`` float > 0 (1 = off; over prompt and generated tokens). ``logit_bias``: a mapping
+    ``repetition_penalty`` float in [1e-6, 1e6] (1 = off; over prompt and generated tokens). ``logit_bias``: a mapping
     token id (int >= 0) -> bias (float in [-100, 100]), at most 64 entries. ``bad_token_ids``: token ids never
     generated (TensorRT-LLM's).
 
@@ -195,15 +196,16 @@ class SamplingParams:
                 raise ValueError(f"best_of must be None or an int >= n={self.n}, got {self.best_of!r}")
             raise ValueError(f"not supported by this engine: best_of={self.best_of} > n={self.n} (best_of must be "
                              "None or n)")
-        _real("temperature", self.temperature, 0.0, math.inf, "a finite float >= 0 (0 = greedy) or None", none=True)
+        lo, hi = DIVISOR_RANGE
+        if not (_is_real(self.temperature) and self.temperature == 0):
+            _real("temperature", self.temperature, lo, hi, f"0 (greedy), a float in [{lo:g}, {hi:g}] or None", none=True)
         _int("top_k", self.top_k, -1, "an int in [-1, 2^63 - 1] (-1 or 0: no cut; 1: greedy) or None", hi=(1 << 63) - 1)
         _real("top_p", self.top_p, 0.0, 1.0, "a float in [0, 1] (0 or 1: no cut) or None", none=True)
         _real("min_p", self.min_p, 0.0, 1.0, "a float in [0, 1] (0 = off)")
         _int("seed", self.seed, 0, "an int in [0, 2^63 - 1] or None", hi=MAX_SEED)
         for name in ("presence_penalty", "frequency_penalty"):
             _real(name, getattr(self, name), -2.0, 2.0, "a float in [-2, 2] (0 = off)")
-        _real("repetition_penalty", self.repetition_penalty, 0.0, math.inf, "a finite float > 0 (1 = off)",
-              lo_open=True)
+        _real("repetition_penalty", self.repetition_penalty, lo, hi, f"a float in [{lo:g}, {hi:g}] (1 = off)")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         for name, most in (("stop_token_ids", MAX_STOP_TOKEN_IDS), ("bad_token_ids", MAX_LOGIT_BIAS)):
             ids = getattr(self, name)
@@ -384,6 +386,7 @@ class LLM:
     def __init__(self, model: Any = "builtin", *, tokenizer: Any = None, completion: Any = None, offload: Any = None,
                  **engine_args: Any) -> None:
         self._engine_loop: _EngineLoop | None = None
+        self._loop_lock = threading.Lock()
         for alias, name in self._SPELLINGS.items():
             if alias in engine_args:
                 value = engine_args.pop(alias)
@@ -554,9 +557,10 @@ class LLM:
         self.shutdown()
 
     def _loop(self) -> "_EngineLoop":
-        if self._engine_loop is None:
-            self._engine_loop = _EngineLoop(self)
-        return self._engine_loop
+        with self._loop_lock:         # callers on several threads at once start one loop
+            if self._engine_loop is None:
+                self._engine_loop = _EngineLoop(self)
+            return self._engine_loop
 
     def _prompt_ids(self, prompt, sp: SamplingParams, where: str) -> tuple[str | None, list[int]]:
         """``(prompt text or None, token ids)`` of one prompt (``generate``'s forms)."""
@@ -621,6 +625,10 @@ class LLM:
                             [CompletionOutput(i, logprobs=[] if lp else None, cumulative_logprob=0.0 if lp else None)
                              for i in range(sp.n)])
         return _Request(seq, sp, out, ids_all)
+
+
+class RequestError(RuntimeError):
+    """Serving this request failed (the engine or its output raised for it); the other requests went on."""
 
 
 class _Request:
@@ -803,8 +811,9 @@ class _EngineLoop:
     thread, which detokenizes, checks stop strings, builds the snapshots and streams them while the
     engine runs the next step (the host work of step n overlaps the GPU's step n + 1). A sequence that a
     stop string ends is freed through the engine lock right after; a step the engine ran for it
-    meanwhile is dropped. A request of ``n`` sequences finishes when all have. A failing step fails every
-    request in flight with its exception."""
+    meanwhile is dropped. A request of ``n`` sequences finishes when all have. A request the engine fails
+    (``StepOutput.finish_reason == "error"``) or whose output cannot be built ends with ``RequestError``
+    alone; a step that fails as a whole fails every request in flight with its exception."""
 
     def __init__(self, llm: LLM) -> None:
         self.engine, self.tokenizer = llm.engine, llm.tokenizer     # not the LLM: it may be collected
@@ -904,6 +913,14 @@ class _EngineLoop:
             while self._waiters and not self.stopped:      # let waiting callers take the lock first
                 time.sleep(0.0005)
 
+    def _fail(self, req: _Request, message: str) -> None:
+        """End ``req`` (all its sequences) with ``RequestError(message)``; the other requests go on."""
+        with self.live_lock:
+            for rid in req.ids:
+                self.live.pop(rid, None)
+        self._release(req.ids)
+        req.handle._push(RequestError(f"request {req.request_id} failed: {message}"))
+
     def _emit(self) -> None:
         while (steps := self._outputs.get()) is not None:
             for step in steps:
@@ -911,7 +928,15 @@ class _EngineLoop:
                     req = self.live.get(step.request_id)
                 if req is None or req.out.outputs[req.index[step.request_id]].finished:
                     continue
-                if _record(self.tokenizer, step, req) is None:
+                if step.finish_reason == "error":
+                    self._fail(req, step.error)
+                    continue
+                try:
+                    reason = _record(self.tokenizer, step, req)
+                except Exception as exc:   # noqa: BLE001 - e.g. the tokenizer failed on this request's tokens
+                    self._fail(req, f"{type(exc).__name__}: {exc}")
+                    continue
+                if reason is None:
                     req.handle._push(_snapshot(req.out))
                     continue
                 self._release([step.request_id])     # frees the slot now (the method's figures are final)

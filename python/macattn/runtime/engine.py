@@ -71,7 +71,8 @@ class MethodSpec:
 class StepOutput:
     """token: the id generated for ``request_id`` this step (None if it only finished). finish_reason:
     ``"length"``, ``"end_id"`` (the end token, not emitted), ``"stop_token_id"`` (a ``stop_token_ids`` token:
-    emitted, it is ``token``) or ``"aborted"``. logits: the ``[V]`` row it was sampled from (before any
+    emitted, it is ``token``), ``"aborted"`` or ``"error"`` (serving this request raised: ``error`` names it;
+    ``LLMEngine.fail``). logits: the ``[V]`` row it was sampled from (before any
     penalty or bias), on the engine's device. prompt_logprobs: with ``SamplingConfig.prompt_logprobs``, on
     the request's first token (the step its prompt completes), one entry per prompt position: None for
     position 0, else ``{prompt token id: logprob, then the top-k ids: logprob}`` (the same list for every
@@ -83,6 +84,7 @@ class StepOutput:
     finish_reason: str | None = None
     logits: torch.Tensor | None = None
     prompt_logprobs: list | None = None
+    error: str | None = None
 
 
 def check_input_ids(input_ids, *, vocab_size: int, name: str = "input_ids") -> list[int]:
@@ -272,6 +274,13 @@ class LLMEngine:
         if seq is not None and not seq.finished:
             self.scheduler.finish(seq, "aborted")
 
+    def fail(self, seq: Sequence, exc: BaseException) -> StepOutput:
+        """End ``seq`` (and its unstarted forks) because serving it raised ``exc``: its slot, KV blocks and
+        method state are freed as for any finish; the other requests go on."""
+        if not seq.finished:
+            self.scheduler.finish(seq, "error")
+        return StepOutput(seq.request_id, None, True, "error", error=f"{type(exc).__name__}: {exc}")
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -296,21 +305,55 @@ class LLMEngine:
         outputs: list[StepOutput] = []
         if scheduled.decodes:
             batch = list(scheduled.decodes)
-            tokens, logits = self.executor.decode_step(batch)
-            for seq, token, row in zip(batch, tokens, logits):
-                outputs.append(self._append(seq, token, row))
+            try:
+                tokens, logits = self.executor.decode_step(batch)
+            except Exception as exc:   # noqa: BLE001 - the batch's call failed: its requests end, the prefills go on
+                outputs += [self.fail(seq, exc) for seq in batch]
+            else:
+                outputs += [self._append_or_fail(seq, token, row) for seq, token, row in zip(batch, tokens, logits)]
         if scheduled.prefills:
-            rows = self.executor.prefill_chunks(list(scheduled.prefills))
+            try:
+                rows = self.executor.prefill_chunks(list(scheduled.prefills))
+            except Exception as exc:   # noqa: BLE001 - the running requests go on; the prefills: _prefill_alone
+                rows = self._prefill_alone(list(scheduled.prefills), exc, outputs)
             done = []
             for c, row in zip(scheduled.prefills, rows):
                 if row is not None:     # the prompt is prefilled: its forks start from it, sampled from its logits
-                    done += [(c.seq, row)] + [(f, row) for f in self.scheduler.fork(c.seq, self.executor.fork_kv)]
+                    try:
+                        done += [(c.seq, row)] + [(f, row) for f in self.scheduler.fork(c.seq, self.executor.fork_kv)]
+                    except Exception as exc:   # noqa: BLE001
+                        outputs.append(self.fail(c.seq, exc))
             if done:
                 logits = torch.stack([row for _, row in done])
-                tokens = self.executor.sample([seq for seq, _ in done], logits)
-                for (seq, _), token, row in zip(done, tokens, logits):
-                    outputs.append(self._append(seq, token, row))
+                try:
+                    tokens = self.executor.sample([seq for seq, _ in done], logits)
+                except Exception as exc:   # noqa: BLE001
+                    return outputs + [self.fail(seq, exc) for seq, _ in done]
+                outputs += [self._append_or_fail(seq, token, row) for (seq, _), token, row in zip(done, tokens, logits)]
         return outputs
+
+    def _prefill_alone(self, chunks: list, exc: Exception, outputs: list[StepOutput]) -> list:
+        """After the prefill of ``chunks`` raised ``exc``: a prompt's first chunk that nothing was written for is
+        prefilled again alone (the faulty request raises again and ends alone); any other chunk's request ends
+        (its state may hold part of the failed call). Returns the rows ``prefill_chunks`` would have."""
+        rows = []
+        for c in chunks:
+            cause = exc
+            if len(chunks) > 1 and c.start == 0 and c.seq.num_prefilled == 0:
+                try:
+                    rows += self.executor.prefill_chunks([c])
+                    continue
+                except Exception as own:   # noqa: BLE001
+                    cause = own
+            outputs.append(self.fail(c.seq, cause))
+            rows.append(None)
+        return rows
+
+    def _append_or_fail(self, seq: Sequence, token: int, logits: torch.Tensor) -> StepOutput:
+        try:
+            return self._append(seq, token, logits)
+        except Exception as exc:   # noqa: BLE001 - this request ends, the others keep their token
+            return self.fail(seq, exc)
 
     def _append(self, seq: Sequence, token: int, logits: torch.Tensor) -> StepOutput:
         """Record ``token`` (sampled from ``logits [V]``) for ``seq``; finish it on end_id / a stop token id /

@@ -42,6 +42,9 @@ BIAS_WIDTH = MAX_LOGIT_BIAS + 1 + MAX_STOP_TOKEN_IDS
 (``-inf`` while ``min_tokens`` is not reached)."""
 MAX_SEED = (1 << 63) - 1
 """The largest ``random_seed`` (an int64)."""
+DIVISOR_RANGE = (1e-6, 1e6)
+"""The range of ``temperature`` and ``repetition_penalty`` (logits are divided by them in fp32: outside it a
+row overflows to inf / NaN)."""
 # the parameters that are per-row columns of a batch (``SamplingBatch``), in ``SamplingConfig._scalars`` order
 _PARAM_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty")
@@ -72,9 +75,9 @@ class SamplingConfig:
     users write ``macattn.SamplingParams``, which builds one; ranges checked here, each error naming its field):
 
     max_new_tokens: tokens to generate, int >= 1. end_id: stop token (not emitted), None = none.
-    temperature: float > 0. top_k: int in [0, 2^63 - 1]. top_p: float in [0, 1]. random_seed: int in [0, 2^63 - 1]
-    or None (a fresh seed per request). min_p: float in [0, 1] (0 = off). repetition_penalty: float > 0
-    (1 = off). presence_penalty / frequency_penalty: float in [-2, 2] (0 = off). logit_bias: a mapping
+    temperature: float in ``DIVISOR_RANGE`` ([1e-6, 1e6]). top_k: int in [0, 2^63 - 1]. top_p: float in [0, 1]. random_seed: int in [0, 2^63 - 1]
+    or None (a fresh seed per request). min_p: float in [0, 1] (0 = off). repetition_penalty: float in
+    ``DIVISOR_RANGE`` (1 = off). presence_penalty / frequency_penalty: float in [-2, 2] (0 = off). logit_bias: a mapping
     (or pairs) token id (int >= 0) -> bias (float in [-100, 100]), at most ``MAX_LOGIT_BIAS`` entries;
     kept as pairs sorted by id. min_tokens: int in [0, max_new_tokens]: ``end_id`` and
     ``stop_token_ids`` cannot be generated before that many tokens. stop_token_ids: ints >= 0 (at most
@@ -106,11 +109,7 @@ class SamplingConfig:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens}")
         if self.end_id is not None and not _is_int(self.end_id):
             raise TypeError(f"end_id must be an int or None, got {type(self.end_id).__name__} {self.end_id!r}")
-        if not _is_real(self.temperature):
-            raise TypeError(f"temperature must be a float > 0, got {type(self.temperature).__name__} "
-                            f"{self.temperature!r}")
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError(f"temperature must be a finite float > 0, got {self.temperature}")
+        _check_real("temperature", self.temperature, *DIVISOR_RANGE)
         if not _is_int(self.top_k):
             raise TypeError(f"top_k must be an int >= 0, got {type(self.top_k).__name__} {self.top_k!r}")
         if not 0 <= self.top_k <= MAX_SEED:      # the sampler holds it as int64
@@ -125,7 +124,7 @@ class SamplingConfig:
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "min_p", _check_real("min_p", self.min_p, 0.0, 1.0, what=" (0 = off)"))
         object.__setattr__(self, "repetition_penalty", _check_real(
-            "repetition_penalty", self.repetition_penalty, 0.0, math.inf, lo_open=True, what=" (1 = off)"))
+            "repetition_penalty", self.repetition_penalty, *DIVISOR_RANGE, what=" (1 = off)"))
         for name in ("presence_penalty", "frequency_penalty"):
             object.__setattr__(self, name, _check_real(name, getattr(self, name), -2.0, 2.0, what=" (0 = off)"))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))

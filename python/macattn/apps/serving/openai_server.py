@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -43,15 +44,16 @@ import re
 import time
 from dataclasses import dataclass
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from macattn.apps.llm import LLM, RequestOutput, SamplingParams
+from macattn.apps.llm import LLM, RequestError, RequestOutput, SamplingParams
 from macattn.apps.serving.openai_protocol import (NOT_SUPPORTED, GenRequest, Problems, parse_chat, parse_completion,
                                                   parse_detokenize, parse_tokenize)
 
-__all__ = ["build_app", "chat_prompt", "server_version"]
+__all__ = ["build_app", "chat_prompt", "server_version", "server_config", "max_prompt_chars"]
 
 logger = logging.getLogger("macattn.serve")
 
@@ -239,6 +241,8 @@ class _Metrics:
         self.itl = Histogram("macattn_inter_token_latency_seconds", "Mean gap between tokens of a request", registry=r)
         self.e2e = Histogram("macattn_e2e_request_latency_seconds", "Request latency", registry=r)
         self.running = Gauge("macattn_requests_running", "HTTP requests in flight", registry=r)
+        self.finished_by = Counter("macattn_requests_finished", "Generation requests by final state (stop, length, "
+                                   "abort: the client left, error: the engine failed it)", ["reason"], registry=r)
         # read at scrape time (plain ints of the engine; no lock needed for a gauge)
         sched, blocks = llm.engine.scheduler, llm.engine.executor.blocks
         Gauge("macattn_requests_waiting", "Requests queued for a slot", registry=r).set_function(
@@ -281,6 +285,13 @@ class _Metrics:
         self.v_max_tokens = hist("vllm:request_params_max_tokens", "max_tokens per request", _TOKENS)
         self.v_n = hist("vllm:request_params_n", "n per request", (1, 2, 5, 10, 20))
 
+    def ended(self, endpoint: str, status: str, reason: str, n: int = 1) -> None:
+        """A request that did not finish (``status`` 499: the client left, 500: the engine failed it): out of
+        the running gauge, counted by status and by ``reason`` (``abort`` / ``error``) per choice."""
+        self.running.dec()
+        self.requests.labels(endpoint, status).inc()
+        self.finished_by.labels(reason).inc(n)
+
     def submitted(self, n: int, max_tokens: int) -> None:
         self.v_n.observe(n)
         self.v_max_tokens.observe(max_tokens)
@@ -295,6 +306,7 @@ class _Metrics:
         self.v_req_gen.observe(generated)
         for c in out.outputs:
             self.v_success.labels(self.model_name, c.finish_reason or "abort").inc()
+            self.finished_by.labels(c.finish_reason or "abort").inc()
         for hist, key in ((self.ttft, "ttft_s"), (self.itl, "inter_token_latency_s"), (self.e2e, "e2e_s"),
                           (self.mac_hit, "mac_hit_rate"), (self.mac_skip, "mac_kv_skip"), (self.v_ttft, "ttft_s"),
                           (self.v_tpot, "inter_token_latency_s"), (self.v_itl, "inter_token_latency_s"),
@@ -348,6 +360,15 @@ def _stable(text: str, stops: list[str]) -> str:
     return text[:end - hold]
 
 
+def max_prompt_chars(tokenizer, max_seq_len: int) -> int:
+    """The longest prompt text that can fit ``max_seq_len`` tokens: ``max_seq_len`` times the longest token
+    of ``tokenizer`` (in characters of its vocabulary; a byte-level piece has one character per byte, which
+    decodes to at most one character). A longer text is refused before it is tokenised."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    longest = max((len(piece) for piece in vocab), default=0) or 64
+    return max_seq_len * longest
+
+
 class _Server:
     def __init__(self, llm: LLM, model_name: str, default_max_tokens: int | None) -> None:
         self.llm, self.model_name, self.default_max_tokens = llm, model_name, default_max_tokens
@@ -355,6 +376,16 @@ class _Server:
         self.tokens = _Tokens(self.tok)
         self.metrics = _Metrics(llm, model_name)
         self.max_seq_len = llm.engine.config.max_seq_len
+        self.max_chars = max_prompt_chars(self.tok, self.max_seq_len)
+
+    def check_chars(self, where: str, chars: int, p: Problems) -> bool:
+        """Whether a text of ``chars`` characters may fit the context (``max_prompt_chars``); else a problem
+        naming the limit."""
+        if chars <= self.max_chars:
+            return True
+        p.add(where, f"too long: {chars} characters > the limit of {self.max_chars} (no text of more characters "
+                     f"fits max_seq_len={self.max_seq_len} tokens); nothing was tokenised")
+        return False
 
     # -- request -> jobs --------------------------------------------------------------------------
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -363,6 +394,8 @@ class _Server:
     def prompts(self, req: GenRequest, p: Problems) -> list[tuple[str, list[int]]]:
         """(text, token ids) per prompt."""
         if req.endpoint == "chat":
+            if not self.check_chars("messages", sum(len(m.get("content") or "") for m in req.messages), p):
+                return []
             try:
                 text = chat_prompt(self.tok, req.messages, add_generation_prompt=req.add_generation_prompt,
                                    continue_final_message=req.continue_final_message,
@@ -370,11 +403,17 @@ class _Server:
             except Exception as exc:   # noqa: BLE001 - a template's own error (roles out of order, ...)
                 p.add("messages", f"the chat template refused them: {exc}")
                 return []
+            if not self.check_chars("messages", len(text), p):
+                return []
             has_template = bool(req.chat_template or getattr(self.tok, "chat_template", None))
             add = req.add_special_tokens if req.add_special_tokens is not None else not has_template
             prompts = [(text, self._encode(text, add))]
         else:
             add = True if req.add_special_tokens is None else req.add_special_tokens
+            many = len(req.prompts) > 1
+            if not all(self.check_chars(f"prompt[{i}]" if many else "prompt", len(x), p)
+                       for i, x in enumerate(req.prompts) if isinstance(x, str)):
+                return []
             prompts = [(x, self._encode(x, add)) if isinstance(x, str) else (self.tok.decode(x), x)
                        for x in req.prompts]
         k = req.truncate_prompt_tokens
@@ -436,6 +475,10 @@ class _Server:
         plan = []     # (prompt index, first choice, text, ids, SamplingParams)
         for i, (text, ids) in enumerate(prompts):
             room = self.max_seq_len - len(ids)
+            if req.max_tokens is not None and room >= 1 and req.max_tokens > room:
+                p.add("max_tokens", f"must be an int in [1, {room}] for this prompt ({len(ids)} tokens; "
+                                    f"max_seq_len={self.max_seq_len}), got {req.max_tokens}")
+                continue
             if req.max_tokens is not None:
                 max_tokens = max(req.max_tokens, 1)
             elif self.default_max_tokens is not None:
@@ -523,14 +566,12 @@ class _Server:
             for j in jobs:
                 j.handle.abort()
             await gathered
-            self.metrics.running.dec()
-            self.metrics.requests.labels(endpoint, "499").inc()
+            self.metrics.ended(endpoint, "499", "abort", _choices(req, jobs))
             return None
         results = gathered.result()
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
-            self.metrics.running.dec()
-            self.metrics.requests.labels(endpoint, "500").inc()
+            self.metrics.ended(endpoint, "500", "error", _choices(req, jobs))
             raise failed[0]
         self.done(endpoint, results)
         outs = {id(j): r for j, r in zip(jobs, results)}
@@ -640,8 +681,12 @@ class _Server:
             if finished_ok and len(last) == len(jobs) and all(o.finished for o in last.values()):
                 self.done(endpoint, list(last.values()))
             else:      # the server failed the stream (500) or the client left it (499)
-                self.metrics.running.dec()
-                self.metrics.requests.labels(endpoint, "500" if failed else "499").inc()
+                self.metrics.ended(endpoint, "500" if failed else "499", "error" if failed else "abort",
+                                   _choices(req, jobs))
+
+
+def _choices(req: GenRequest, jobs: list[_Job]) -> int:
+    return len({j.prompt_index for j in jobs}) * req.n
 
 
 def _usage(jobs: list[_Job], outs: list[RequestOutput], hide: bool) -> dict:
@@ -712,6 +757,36 @@ async def _result(handle) -> RequestOutput | BaseException:
     return last
 
 
+# --- the HTTP server ----------------------------------------------------------------------------------
+
+def server_config(app, host: str, port: int, *, grace_period: float = 10, timeout_keep_alive: int = 5,
+                  limit_concurrency: int | None = None):
+    """uvicorn's ``Config`` for ``app`` with the server's doors closed: ``timeout_keep_alive`` seconds for a
+    connection to send a whole request head — from the moment it opens, and again after each response (uvicorn
+    arms it only after a response: a client that connects and sends nothing, or a header a byte at a time,
+    would hold its connection forever) —, at most ``limit_concurrency`` connections and requests at once
+    (more get a 503; None: no cap), ``grace_period`` seconds for requests in flight on SIGTERM."""
+    import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadTimeoutH11(H11Protocol):
+        """uvicorn's h11 protocol whose keep-alive timer also runs while the request head is awaited."""
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
+
+        def data_received(self, data: bytes) -> None:
+            # uvicorn cancels the timer on any byte; here only a complete request head does (``handle_events``)
+            self.conn.receive_data(data)
+            self.handle_events()
+
+    return uvicorn.Config(app, host=host, port=port, http=HeadTimeoutH11, log_level="warning",
+                          timeout_graceful_shutdown=grace_period, timeout_keep_alive=timeout_keep_alive,
+                          limit_concurrency=limit_concurrency)
+
+
 # --- the app ---------------------------------------------------------------------------------------
 
 def build_app(llm: LLM, model_name: str, *, default_max_tokens: int | None = None) -> FastAPI:
@@ -724,8 +799,8 @@ def build_app(llm: LLM, model_name: str, *, default_max_tokens: int | None = Non
 
     async def body_of(request: Request, endpoint: str):
         raw = await request.body()
-        try:
-            return json.loads(raw or b"null"), None
+        try:      # parsed off the event loop, as all per-request work in proportion to its size
+            return await anyio.to_thread.run_sync(json.loads, raw or b"null"), None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             metrics.requests.labels(endpoint, "400").inc()
             return None, _error(400, f"body: not valid JSON ({exc})", "body")
@@ -753,7 +828,8 @@ def build_app(llm: LLM, model_name: str, *, default_max_tokens: int | None = Non
         if req.ignored:
             logger.warning("%s: accepted and ignored (they do not change the output): %s", endpoint,
                            ", ".join(req.ignored))
-        jobs, p = srv.submit(req)
+        # tokenising (and the chat template) off the event loop: /health and the streams keep their latency
+        jobs, p = await anyio.to_thread.run_sync(srv.submit, req)
         if p:
             return refuse(endpoint, p)
         metrics.running.inc()
@@ -762,9 +838,15 @@ def build_app(llm: LLM, model_name: str, *, default_max_tokens: int | None = Non
         try:
             body = await srv.respond(endpoint, request, req, jobs)
             return body if body is not None else Response(status_code=499)
+        except RequestError as exc:     # the engine failed this request (the others went on)
+            return _error(500, f"the engine failed: {exc}")
         except Exception as exc:   # noqa: BLE001 - the engine failed: a 500 naming it
             logger.exception("request failed")
             return _error(500, f"the engine failed: {exc}")
+        except asyncio.CancelledError:   # the server stops and the grace period is over: say so, in JSON
+            metrics.ended(endpoint, "503", "abort", _choices(req, jobs))
+            return _error(503, "the server is shutting down: the request did not finish within the grace period",
+                          code="shutting_down")
         finally:
             for j in jobs:
                 j.handle.abort()
@@ -825,9 +907,11 @@ def build_app(llm: LLM, model_name: str, *, default_max_tokens: int | None = Non
         elif not p:
             text = req["prompt"]
             add = True if req["add_special_tokens"] is None else req["add_special_tokens"]
+        if not p:
+            srv.check_chars("messages" if "messages" in req else "prompt", len(text), p)
         if p:
             return refuse("/tokenize", p)
-        ids = list(tok.encode(text, add_special_tokens=add))
+        ids = list(await anyio.to_thread.run_sync(functools.partial(tok.encode, text, add_special_tokens=add)))
         metrics.requests.labels("/tokenize", "200").inc()
         out = {"count": len(ids), "max_model_len": srv.max_seq_len, "tokens": ids}
         if req["return_token_strs"]:
@@ -849,7 +933,7 @@ def build_app(llm: LLM, model_name: str, *, default_max_tokens: int | None = Non
         if p:
             return refuse("/detokenize", p)
         metrics.requests.labels("/detokenize", "200").inc()
-        return {"prompt": tok.decode(req["tokens"])}
+        return {"prompt": await anyio.to_thread.run_sync(tok.decode, req["tokens"])}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():

@@ -163,7 +163,7 @@ class TritonPythonModel:
                 ids, kwargs = self._parse(request)
                 self._parse_delivery(request, p)
             except Exception as exc:                   # noqa: BLE001 - reported to the client
-                self._fail(p, f"bad request: {exc}")
+                self._fail(p, f"bad request: {exc}", invalid=True)
             else:
                 self.inbox.put((ids, kwargs, p))
             pending.append(p)
@@ -173,17 +173,21 @@ class TritonPythonModel:
         for p in pending:
             p.done.wait()
             if p.error is not None:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(p.error)))
+                responses.append(pb_utils.InferenceResponse(error=p.error if isinstance(p.error, pb_utils.TritonError)
+                                                             else pb_utils.TritonError(p.error)))
             else:
                 responses.append(pb_utils.InferenceResponse(
                     [pb_utils.Tensor("output_ids", np.asarray(p.tokens, dtype=np.int64))]))
         return responses
 
     # --- delivery ------------------------------------------------------------------------------
-    def _fail(self, p, message):
-        p.error = message
+    def _fail(self, p, message, invalid=False):
+        """End ``p`` with ``message``: an invalid request (``invalid``: HTTP 400 / gRPC INVALID_ARGUMENT, the
+        backend's INVALID_ARG code) or a server fault (500)."""
+        p.error = pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG) if invalid else \
+            pb_utils.TritonError(message)
         if p.sender is not None:
-            p.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=_FINAL)
+            p.sender.send(pb_utils.InferenceResponse(error=p.error), flags=_FINAL)
         p.done.set()
 
     def _deliver(self, p, token, finished):
@@ -213,8 +217,8 @@ class TritonPythonModel:
                     block = False
                     try:
                         rid = self._add_request(ids, kwargs)
-                    except (ValueError, TypeError) as exc:
-                        self._fail(p, str(exc))
+                    except (ValueError, TypeError, NotImplementedError) as exc:
+                        self._fail(p, str(exc), invalid=True)
                     else:
                         live[rid] = p
             except queue.Empty:
@@ -232,6 +236,11 @@ class TritonPythonModel:
             for o in outputs:
                 p = live.get(o.request_id)
                 if p is None:
+                    continue
+                if o.finish_reason == "error":             # the engine failed this request alone
+                    self._fail(p, f"request {o.request_id} failed: {o.error}")
+                    del live[o.request_id]
+                    self.engine.requests.pop(o.request_id, None)
                     continue
                 if not o.finished and p.stop and o.token is not None and p.stopped_by(o.token):
                     self.engine.abort(o.request_id)          # a stop word: this token is the last

@@ -1,7 +1,7 @@
 """The wire of a tensor-parallel group: the gloo **control channel** (pickled objects: rank 0's step
 broadcast, shards sent to one rank, results gathered from all), the **model group's collectives**
 (``macattn.models.tensor_parallel.Collectives`` over gloo or NCCL), how every rank opens both process
-groups, and the exit codes the ranks agree on (package doc)."""
+groups (every socket on the loopback interface), and the exit codes the ranks agree on (package doc)."""
 from __future__ import annotations
 
 import datetime
@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["ProcessGroupCollectives", "ControlChannel", "process_groups", "abort_quietly", "EXIT_OWN_ERROR",
-           "EXIT_PEER_GONE"]
+           "EXIT_PEER_GONE", "LOOPBACK", "open_store"]
 
+LOOPBACK = "127.0.0.1"                          # the address every gloo socket of a group listens on
 _CONTROL_IDLE = datetime.timedelta(days=365)   # a worker waits for the next step as long as rank 0 lives
 _INLINE = 8192                                 # control message bytes sent in the first broadcast
 EXIT_OWN_ERROR = 1                             # a worker's own op raised
@@ -93,11 +94,18 @@ class ControlChannel:
         return [pickle.loads(o[:int(s)].numpy().tobytes()) for o, s in zip(outs, sizes)]
 
 
+def open_store(path: str, size: int, timeout_s: float):
+    """The group's rendezvous: a ``FileStore`` at ``path`` (in a private directory rank 0 made; no socket)."""
+    store = dist.FileStore(path, size)
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store
+
+
 def process_groups(store, rank: int, size: int, backend: str, timeout_s: float):
     """``(control, model)`` backends: gloo for the control group (idle waits last as long as rank 0
     lives), ``backend`` for the model group with ``timeout_s`` per collective."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    ctl = dist.ProcessGroupGloo(dist.PrefixStore("ctl", store), rank, size, timeout)
+    ctl = _gloo(dist.PrefixStore("ctl", store), rank, size, timeout)
     ctl.set_timeout(_CONTROL_IDLE)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
@@ -105,8 +113,17 @@ def process_groups(store, rank: int, size: int, backend: str, timeout_s: float):
         opts._timeout = timeout
         model = dist.ProcessGroupNCCL(dist.PrefixStore("model", store), rank, size, opts)
     else:
-        model = dist.ProcessGroupGloo(dist.PrefixStore("model", store), rank, size, timeout)
+        model = _gloo(dist.PrefixStore("model", store), rank, size, timeout)
     return ctl, model
+
+
+def _gloo(store, rank: int, size: int, timeout: datetime.timedelta):
+    """A gloo group whose sockets listen on the loopback interface only (the group's ranks are local processes;
+    gloo's default binds the host name's address, reachable from the network)."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+    opts._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
 def abort_quietly(part) -> None:

@@ -5,19 +5,19 @@ with ``EXIT_WEDGED``) (package doc)."""
 from __future__ import annotations
 
 import atexit
-import datetime
 import itertools
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Callable
 
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from macattn.runtime.tensor_parallel.comm import (EXIT_PEER_GONE, ControlChannel, ProcessGroupCollectives,
-                                                  abort_quietly, process_groups)
+                                                  abort_quietly, open_store, process_groups)
 from macattn.runtime.tensor_parallel.worker import worker_main
 
 __all__ = ["TensorParallelError", "TensorParallelGroup", "shutdown_all", "EXIT_WEDGED"]
@@ -48,14 +48,16 @@ class TensorParallelGroup:
         self._engine_ids = itertools.count()
         self._in_op = False                          # rank 0 is inside ``run`` (the watch thread reads it)
         self.procs: list = []
-        store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=timeout_s),
-                              wait_for_workers=False)
+        # the rendezvous is a file in a private directory: no port (a TCPStore listens on every interface)
+        self._store_dir = tempfile.mkdtemp(prefix="macattn-tp-")
+        store_path = os.path.join(self._store_dir, "store")
+        store = open_store(store_path, size, timeout_s)
         ctx = mp.get_context("spawn")
         threads = max(1, (os.cpu_count() or 1) // size)
         try:
             for r in range(1, size):
                 p = ctx.Process(target=worker_main, name=f"macattn-tp-rank{r}", daemon=True,
-                                args=(r, size, store.port, devices[r], self.backend, timeout_s, os.getpid(), threads))
+                                args=(r, size, store_path, devices[r], self.backend, timeout_s, os.getpid(), threads))
                 p.start()
                 self.procs.append(p)
             ctl, model = process_groups(store, 0, size, self.backend, timeout_s)
@@ -182,6 +184,7 @@ class TensorParallelGroup:
                         del TensorParallelGroup._live[key]
 
     def _stop_processes(self, timeout_s: float) -> None:
+        shutil.rmtree(self._store_dir, ignore_errors=True)
         for p in self.procs:
             p.join(timeout_s)
         for p in self.procs:

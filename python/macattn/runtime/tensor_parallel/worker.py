@@ -5,7 +5,6 @@ builds its shard's executor (``build_rank``, rank 0's too). A failed op or colle
 from __future__ import annotations
 
 import ctypes
-import datetime
 import gc
 import os
 import signal
@@ -21,7 +20,7 @@ from macattn.models.tensor_parallel import build_shard
 from macattn.runtime.executor import ModelExecutor
 from macattn.runtime.sequence import PrefillChunk, Sequence
 from macattn.runtime.tensor_parallel.comm import (EXIT_OWN_ERROR, EXIT_PEER_GONE, ControlChannel,
-                                                  ProcessGroupCollectives, process_groups)
+                                                  ProcessGroupCollectives, open_store, process_groups)
 
 __all__ = ["build_rank", "worker_main"]
 
@@ -89,14 +88,14 @@ class _WorkerEngine:
         self.ex.decode_step(seqs)
 
 
-def worker_main(rank: int, size: int, port: int, device: str, backend: str, timeout_s: float, parent_pid: int,
+def worker_main(rank: int, size: int, store_path: str, device: str, backend: str, timeout_s: float, parent_pid: int,
                  threads: int) -> None:
     _die_with_parent(parent_pid)
     torch.set_num_threads(threads)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     try:
-        store = dist.TCPStore("127.0.0.1", port, size, False, timeout=datetime.timedelta(seconds=timeout_s))
+        store = open_store(store_path, size, timeout_s)
         ctl, model = process_groups(store, rank, size, backend, timeout_s)
     except Exception as exc:
         _exit(rank, "could not join the group", exc, EXIT_PEER_GONE)
