@@ -149,3 +149,19 @@ def test_the_prefill_budget_is_validated():
         RuntimeConfig(max_batch_size=3, max_num_batched_tokens=10, max_prefill_tokens=9)
     with pytest.raises(ValueError, match="max_prefill_tokens needs max_num_batched_tokens"):
         RuntimeConfig(max_batch_size=3, max_prefill_tokens=9)
+
+
+def test_close_releases_the_device_memory_even_while_the_engine_is_referenced():
+    """``LLMEngine.close`` drops the KV pool and the fused forward (whose weights the model's own projections
+    view): a reference to the engine kept anywhere (a server object, a traceback) then holds neither."""
+    import gc
+    import weakref
+
+    eng = LLMEngine(tiny_model("llama", seed=5), MAC, RuntimeConfig(max_batch_size=2, max_seq_len=64))
+    eng.add_request(prompts(1, seed=1, lo=5, hi=9)[0], max_new_tokens=2)
+    eng.run_to_completion()
+    pool = weakref.ref(eng.executor.kv.k[0])
+    fused = weakref.ref(eng.executor.fused.layers[0].qkv_weight)
+    eng.close()
+    gc.collect()
+    assert pool() is None and fused() is None
