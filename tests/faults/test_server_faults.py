@@ -224,3 +224,45 @@ def test_limit_concurrency_answers_503_past_the_cap(llm):
                 s.close()
         time.sleep(0.2)
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_a_request_past_the_sigterm_grace_period_gets_a_json_503():
+    """SIGTERM (uvicorn's ``should_exit``) with a non-streaming request still generating: once the grace period
+    is over the client gets a JSON 503 saying so, not a plain-text 500 and a traceback, and the server stops."""
+    import uvicorn
+    from _serving import free_port
+
+    from macattn.apps.serving.openai_server import build_app, server_config
+
+    llm = LLM("builtin", max_batch_size=2, max_seq_len=2048)
+    port = free_port()
+    srv = uvicorn.Server(server_config(build_app(llm, "builtin"), "127.0.0.1", port, grace_period=0.5))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    url, answer = f"http://127.0.0.1:{port}", {}
+
+    def ask():
+        r = httpx.post(f"{url}/v1/completions", json={"model": "builtin", "prompt": "In the beginning",
+                                                     "max_tokens": 2000, "temperature": 0, "ignore_eos": True},
+                       timeout=60)
+        answer["r"] = r
+
+    client = threading.Thread(target=ask)
+    client.start()
+    try:
+        deadline = time.monotonic() + 30
+        while _metrics(url)["macattn_requests_running"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        srv.should_exit = True                       # what uvicorn's SIGTERM handler does
+        client.join(timeout=30)
+        thread.join(timeout=30)
+        r = answer["r"]
+        assert r.status_code == 503 and r.headers["content-type"].startswith("application/json"), r.text
+        assert "grace period" in r.json()["error"]["message"]
+        assert not thread.is_alive()
+    finally:
+        srv.should_exit = True
+        llm.shutdown()

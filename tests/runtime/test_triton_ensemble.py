@@ -102,7 +102,7 @@ def test_tritonclient_grpc_stream(server):
     try:
         inputs = []
         for name, arr, dt in (("text_input", np.array([p.encode()], dtype=np.object_), "BYTES"),
-                              ("max_tokens", np.array([NEW], np.int32), "INT32"),
+                              ("max_tokens", np.array([NEW], np.int64), "INT64"),
                               ("stream", np.array([True]), "BOOL")):
             t = grpcclient.InferInput(name, list(arr.shape), dt)
             t.set_data_from_numpy(arr)

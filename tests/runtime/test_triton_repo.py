@@ -37,8 +37,8 @@ def test_cli_writes_decoupled_and_sync_models(engine, tmp_path, capsys):
     for text in (stream, sync):
         assert 'backend: "python"' in text
         assert 'name: "input_ids" data_type: TYPE_INT64 dims: [ -1 ] }' in text
-        assert 'name: "max_new_tokens" data_type: TYPE_INT32 dims: [ 1 ] }' in text
-        assert 'name: "end_id" data_type: TYPE_INT32 dims: [ 1 ] optional: true' in text
+        assert 'name: "max_new_tokens" data_type: TYPE_INT64 dims: [ 1 ] }' in text
+        assert 'name: "end_id" data_type: TYPE_INT64 dims: [ 1 ] optional: true' in text
         assert 'name: "output_ids" data_type: TYPE_INT64 dims: [ -1 ]' in text
         assert 'key: "mac_window"' not in text and 'key: "engine_args"' in text
     assert (tmp_path / "repo" / "macattn" / "1" / "model.py").is_file()

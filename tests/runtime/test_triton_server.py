@@ -57,7 +57,7 @@ def server(tmp_path_factory):
         with serve(root / "repo", root) as running:
             http = httpclient.InferenceServerClient(running.http_url, concurrency=16)
             try:
-                yield {"http": http, "grpc_url": running.grpc_url, "engine": engine}
+                yield {"http": http, "grpc_url": running.grpc_url, "engine": engine, "running": running}
             finally:
                 http.close()  # open keep-alive connections would hold the shutdown
     except RuntimeError as exc:
@@ -76,8 +76,8 @@ def expected(server):
 
 def _inputs(mod, ids, max_new_tokens, **optional):
     ids = np.asarray(ids, dtype=np.int64)
-    tensors = [("input_ids", ids, "INT64"), ("max_new_tokens", np.array([max_new_tokens], np.int32), "INT32")]
-    types = {"end_id": (np.int32, "INT32"), "temperature": (np.float32, "FP32"), "top_k": (np.int32, "INT32"),
+    tensors = [("input_ids", ids, "INT64"), ("max_new_tokens", np.array([max_new_tokens], np.int64), "INT64")]
+    types = {"end_id": (np.int64, "INT64"), "temperature": (np.float32, "FP32"), "top_k": (np.int64, "INT64"),
              "top_p": (np.float32, "FP32"), "random_seed": (np.int64, "INT64")}
     for k, v in optional.items():
         tensors.append((k, np.array([v], types[k][0]), types[k][1]))
@@ -98,14 +98,14 @@ def test_http_chunked_rag_request_matches_model_runner(server):
                           return_dict=True, output_sequence_lengths=True)
     ids = torch.cat([system, *chunks, question])
     want = out["output_ids"][0, 0, len(ids):int(out["sequence_lengths"][0, 0])].tolist()
-    lengths = np.array([len(system)] + [len(c) for c in chunks], np.int32)
+    lengths = np.array([len(system)] + [len(c) for c in chunks], np.int64)
     inputs = _inputs(httpclient, ids.numpy(), NEW)
-    rag = httpclient.InferInput("rag_lengths", list(lengths.shape), "INT32")
+    rag = httpclient.InferInput("rag_lengths", list(lengths.shape), "INT64")
     rag.set_data_from_numpy(lengths)
     got = server["http"].infer("macattn_sync", inputs + [rag]).as_numpy("output_ids").tolist()
     assert got == want and len(want) == NEW
-    bad = httpclient.InferInput("rag_lengths", [1], "INT32")
-    bad.set_data_from_numpy(np.array([len(ids)], np.int32))
+    bad = httpclient.InferInput("rag_lengths", [1], "INT64")
+    bad.set_data_from_numpy(np.array([len(ids)], np.int64))
     with pytest.raises(InferenceServerException, match="rag_lengths"):
         server["http"].infer("macattn_sync", _inputs(httpclient, ids.numpy(), NEW) + [bad])
 
@@ -166,6 +166,92 @@ def test_grpc_streaming_matches_model_runner(server, expected):
     expect["5"] = want[5][:stop]              # stopped at end_id, which is not emitted
     assert tokens == expect
     assert counts == {k: len(v) for k, v in expect.items()}     # one streamed response per token
+
+
+def _post(server, path, body, headers=None):
+    """(status, JSON body) of a request to the server's HTTP endpoint ``path``."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://{server['running'].http_url}{path}", method="GET" if body is None else "POST",
+                                 data=None if body is None else json.dumps(body).encode(), headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_integers_past_int32_reach_the_model_whole_and_are_range_checked(server):
+    """Triton wraps a JSON number into an INT32 input (4294967300 -> 4): the counts and ids are INT64, so the
+    model sees the value sent and answers a 400 naming the field and its range."""
+    for body, field in (({"input_ids": [1, 2, 3], "max_new_tokens": 4294967300}, "max_new_tokens"),
+                        ({"input_ids": [1, 2, 3], "max_new_tokens": 2, "end_id": 4294967646}, "end_id")):
+        code, out = _post(server, "/v2/models/macattn_sync/generate", body)
+        assert code == 400 and field in out["error"], (code, out)
+    code, out = _post(server, "/v2/models/macattn_sync/generate", {"input_ids": [1, 2, 3], "max_new_tokens": 2})
+    assert code == 200 and len(out["output_ids"]) == 2
+    infer = {"inputs": [{"name": "input_ids", "shape": [3], "datatype": "INT64", "data": [1, 2, 3]},
+                        {"name": "max_new_tokens", "shape": [1], "datatype": "INT32", "data": [4294967300]}]}
+    code, out = _post(server, "/v2/models/macattn_sync/infer", infer)      # an INT32 sender is told the type
+    assert code == 400 and "max_new_tokens" in out["error"] and "INT64" in out["error"], (code, out)
+
+
+def test_admin_endpoints_answer_only_the_admin_token(server):
+    token = {"triton-access-token": server["running"].admin_token}
+    for path, body in (("/v2/logging", None), ("/v2/logging", {"log_verbose_level": 1}),
+                       ("/v2/models/macattn/config", None), ("/v2/models/stats", None),
+                       ("/v2/repository/index", {})):
+        code, out = _post(server, path, body)
+        assert code == 403 and "triton-access-token" in out["error"], (path, code, out)
+    code, out = _post(server, "/v2/logging", None, token)
+    assert code == 200 and out["log_verbose_level"] == 0
+    assert _post(server, "/v2/models/macattn_sync/config", None, token)[0] == 200
+    assert _post(server, "/v2/models/macattn_sync", None)[0] == 200                  # metadata stays open
+    with pytest.raises(InferenceServerException, match="triton-access-token"):
+        grpcclient.InferenceServerClient(server["grpc_url"]).update_log_settings({"log_verbose_level": 1})
+
+
+def test_cancelled_or_abandoned_grpc_stream_stops_its_request(server, expected):
+    """A stream cancelled by its client, or whose client process dies, ends its request before the next
+    engine step (the server log names it), and the server goes on serving."""
+    import subprocess as sp
+    import sys
+
+    log = server["running"].log_path
+
+    def cancelled():
+        return log.read_text(errors="replace").count("cancelled by its client")
+
+    before = cancelled()
+    got: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server["grpc_url"])
+    client.start_stream(callback=lambda result, error: got.put(error))
+    client.async_stream_infer("macattn", _inputs(grpcclient, np.array([1, 2, 3]), 250), request_id="long")
+    assert got.get(timeout=30) is None                      # it is generating
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    deadline = time.monotonic() + 5
+    while cancelled() == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cancelled() == before + 1
+    script = (f"import os, signal, sys, numpy as np, tritonclient.grpc as g\n"
+              f"c = g.InferenceServerClient({server['grpc_url']!r}); seen = []\n"
+              f"c.start_stream(callback=lambda result, error: seen.append(1))\n"
+              f"ids = g.InferInput('input_ids', [3], 'INT64'); ids.set_data_from_numpy(np.array([1, 2, 3], np.int64))\n"
+              f"n = g.InferInput('max_new_tokens', [1], 'INT64'); n.set_data_from_numpy(np.array([250], np.int64))\n"
+              f"c.async_stream_infer('macattn', [ids, n])\n"
+              f"while not seen: pass\n"
+              f"os.kill(os.getpid(), signal.SIGKILL)\n")
+    assert sp.run([sys.executable, "-c", script], timeout=60).returncode == -9
+    deadline = time.monotonic() + 5
+    while cancelled() == before + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cancelled() == before + 2
+    ps, want = expected
+    assert server["http"].infer("macattn_sync", _inputs(httpclient, ps[0].numpy(), NEW)).as_numpy(
+        "output_ids").tolist() == want[0]
 
 
 def _descendants(pid: int) -> list[int]:

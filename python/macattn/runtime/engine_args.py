@@ -42,6 +42,7 @@ DTYPES = {"auto": None, "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "
 """``dtype`` spellings -> the ``torch`` dtype's name (None: the checkpoint's)."""
 _MAC_OFF, _MAC_ON = "off", "on"
 _PATH_FIELDS = ("model", "tokenizer", "mac", "completion_maps", "prefix_store")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")   # any one: a tokenizer
 # flag spellings kept beside the generated ``--field-name`` ones
 _ALIASES = {"tensor_parallel_size": ("--tp",), "mac": ("--per-layer",), "mac_tau": ("--tau",),
             "mac_window": ("--window",), "mac_band": ("--band",), "max_seq_len": ("--max-model-len",)}
@@ -197,12 +198,19 @@ class EngineArgs:
 
             model, tok = load_builtin_checkpoint(dtype=self.torch_dtype or torch.float32)
         else:
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            from macattn.models.architectures import SUPPORTED_ARCHITECTURES
 
             path = Path(self.model)
             if not path.is_dir():
                 raise ValueError(f"model must be one of {list(BUILTIN_NAMES)} or a local transformers model "
                                  f"directory, got {self.model!r} (nothing is downloaded)")
+            hf = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=self.trust_remote_code)
+            archs = list(getattr(hf, "architectures", None) or [])
+            if not set(archs) & set(SUPPORTED_ARCHITECTURES):
+                raise ValueError(f"model {self.model}: unsupported architecture {', '.join(archs) or '(none named)'} "
+                                 f"(model_type {hf.model_type}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
             model = AutoModelForCausalLM.from_pretrained(
                 str(path), dtype=self.torch_dtype or "auto", attn_implementation="sdpa", local_files_only=True,
                 trust_remote_code=self.trust_remote_code).eval()
@@ -212,6 +220,11 @@ class EngineArgs:
         if self.tokenizer is not None or tok is None:
             from transformers import AutoTokenizer
 
+            where = Path(self.tokenizer or self.model)
+            if where.is_dir() and not any((where / f).is_file() for f in _TOKENIZER_FILES):
+                raise FileNotFoundError(f"{'tokenizer' if self.tokenizer else 'model'} directory {where} holds no "
+                                        f"tokenizer (none of {', '.join(_TOKENIZER_FILES)}); give tokenizer=DIR "
+                                        f"(--tokenizer)")
             tok = AutoTokenizer.from_pretrained(self.tokenizer or self.model, local_files_only=True,
                                                 trust_remote_code=self.trust_remote_code)
         return model, tok

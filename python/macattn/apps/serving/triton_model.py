@@ -67,10 +67,12 @@ _OPTIONAL = {"end_id": int, "temperature": float, "top_k": int, "top_p": float, 
 
 
 class _Pending:
-    """One request in flight: where its tokens go; ``stream`` False sends them in one final
-    response; ``stop`` the token-id words that end it."""
+    """One request in flight: the Triton ``request`` (asked whether it was cancelled), where its
+    tokens go; ``stream`` False sends them in one final response; ``stop`` the token-id words that
+    end it."""
 
-    def __init__(self, sender=None):
+    def __init__(self, request, sender=None):
+        self.request = request
         self.sender = sender          # decoupled: the response sender
         self.stream = True
         self.stop = []
@@ -131,6 +133,9 @@ class TritonPythonModel:
                 kwargs[name] = cast(arr[0].item())
         if kwargs.get("end_id", 0) < 0:                # the ensemble's "no end token"
             del kwargs["end_id"]
+        elif kwargs.get("end_id", 0) >= self.engine.vocab_size:
+            raise ValueError(f"end_id must be an int in [0, {self.engine.vocab_size - 1}] (vocab_size="
+                             f"{self.engine.vocab_size}), or negative for none, got {kwargs['end_id']}")
         rag = pb_utils.get_input_tensor_by_name(request, "rag_lengths")
         if rag is not None:
             kwargs["rag_lengths"] = rag.as_numpy().reshape(-1).tolist()
@@ -158,7 +163,7 @@ class TritonPythonModel:
             return self.text.execute(requests)
         pending = []
         for request in requests:
-            p = _Pending(request.get_response_sender() if self.decoupled else None)
+            p = _Pending(request, request.get_response_sender() if self.decoupled else None)
             try:
                 ids, kwargs = self._parse(request)
                 self._parse_delivery(request, p)
@@ -181,11 +186,11 @@ class TritonPythonModel:
         return responses
 
     # --- delivery ------------------------------------------------------------------------------
-    def _fail(self, p, message, invalid=False):
+    def _fail(self, p, message, invalid=False, code=None):
         """End ``p`` with ``message``: an invalid request (``invalid``: HTTP 400 / gRPC INVALID_ARGUMENT, the
-        backend's INVALID_ARG code) or a server fault (500)."""
-        p.error = pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG) if invalid else \
-            pb_utils.TritonError(message)
+        backend's INVALID_ARG code), ``code`` (a ``TritonError`` code) or a server fault (500)."""
+        code = pb_utils.TritonError.INVALID_ARG if invalid else code
+        p.error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
         if p.sender is not None:
             p.sender.send(pb_utils.InferenceResponse(error=p.error), flags=_FINAL)
         p.done.set()
@@ -225,6 +230,7 @@ class TritonPythonModel:
                 pass
             if not self.engine.has_unfinished():
                 continue
+            self._drop_cancelled(live)
             try:
                 outputs = self.engine.step()
             except Exception as exc:                   # noqa: BLE001 - fail everything in flight
@@ -256,6 +262,21 @@ class TritonPythonModel:
                 if o.finished:
                     del live[o.request_id]
                     self.engine.requests.pop(o.request_id, None)
+
+    def _drop_cancelled(self, live):
+        """Abort the requests whose client cancelled them or went away (a cancelled or closed gRPC
+        stream, Triton's request cancellation): their work stops before the next step."""
+        for rid, p in list(live.items()):
+            if p.request.is_cancelled():
+                pb_utils.Logger.log_warn(f"macattn: request {rid} cancelled by its client after "
+                                         f"{len(p.tokens)} tokens")
+                self.engine.abort(rid)
+                self.engine.requests.pop(rid, None)
+                del live[rid]
+                try:
+                    self._fail(p, f"request {rid} cancelled", code=pb_utils.TritonError.CANCELLED)
+                except Exception:                      # noqa: BLE001 - the client is gone: nothing to tell
+                    p.done.set()
 
     def _add_request(self, ids, kwargs):
         rag = kwargs.pop("rag_lengths", None)

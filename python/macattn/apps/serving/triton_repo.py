@@ -10,11 +10,11 @@ Layout written under ``out`` (``name`` defaults to ``macattn``)::
     out/postprocessing/            ``triton_text.py`` run by the same model.py
     out/ensemble/config.pbtxt      text_input -> preprocessing -> <name> -> postprocessing -> text_output
 
-Token-id model inputs: ``input_ids`` INT64 ``[-1]``, ``max_new_tokens`` INT32 ``[1]``; optional
-``end_id`` INT32, ``pad_id`` INT32 (accepted; nothing is padded), ``temperature`` FP32, ``top_k``
-INT32, ``top_p`` FP32, ``random_seed`` INT64, ``stream`` BOOL (all ``[1]``), ``stop_words`` /
+Token-id model inputs: ``input_ids`` INT64 ``[-1]``, ``max_new_tokens`` INT64 ``[1]``; optional
+``end_id`` INT64, ``pad_id`` INT32 (accepted; nothing is padded), ``temperature`` FP32, ``top_k``
+INT64, ``top_p`` FP32, ``random_seed`` INT64, ``stream`` BOOL (all ``[1]``), ``stop_words`` /
 ``bad_words`` INT32 ``[2, -1]`` (TensorRT-LLM's word lists; bad words are refused),
-``rag_lengths`` INT32 ``[-1]`` (an A3 chunked prompt: ``[len(system), len(chunk_1), …]``,
+``rag_lengths`` INT64 ``[-1]`` (an A3 chunked prompt: ``[len(system), len(chunk_1), …]``,
 question = the rest of ``input_ids``; ``docs/a3.md``), ``reuse_prefix`` BOOL ``[1]`` (with the
 ``completion`` parameter's prefix store: load the prompt's KV instead of prefilling it). Output: ``output_ids`` INT64 ``[-1]`` — the
 generated tokens (not the prompt; the end token is not emitted). The decoupled model sends one
@@ -23,10 +23,16 @@ response per token, the last one flagged final (an empty final response if the r
 
 The ensemble (written when a tokenizer is found: ``tokenizer_dir``, else the engine's ``hf/`` if it
 holds one) takes TensorRT-LLM's ensemble inputs ``text_input`` STRING ``[1]``, ``max_tokens``
-INT32 ``[1]``; optional ``bad_words`` / ``stop_words`` STRING ``[-1]``, ``end_id``, ``pad_id``,
-``top_k`` INT32, ``top_p``, ``temperature`` FP32, ``random_seed`` INT64, ``stream`` BOOL; and
+INT64 ``[1]``; optional ``bad_words`` / ``stop_words`` STRING ``[-1]``, ``end_id`` INT64, ``pad_id``
+INT32, ``top_k`` INT64, ``top_p``, ``temperature`` FP32, ``random_seed`` INT64, ``stream`` BOOL; and
 returns ``text_output`` STRING ``[-1]``. Triton's ``generate`` (one response) and
 ``generate_stream`` (``"stream": true``: one per token) endpoints serve it.
+
+The counts and ids a client may send past 2^31 (``max_new_tokens`` / ``max_tokens``, ``end_id``,
+``top_k``, ``rag_lengths``) are INT64 (TensorRT-LLM's are INT32): Triton wraps a JSON number into an
+INT32 input silently (``max_tokens: 4294967300`` would arrive as 4), while an INT64 reaches the model
+whole and is range-checked there (a 400 naming the field). A client that sends INT32 for them gets
+Triton's 400 naming the input and the expected type.
 
 Parameters (``config.pbtxt``, written now and read by ``model.py`` at load time): ``engine_args``
 (``EngineArgs.to_json()``: the engine the model runs — the same options as ``LLM(...)`` and ``macattn
@@ -51,34 +57,35 @@ from macattn.runtime.engine_dir import read_engine_dir
 __all__ = ["default_sys_path", "write_model_repository"]
 
 # (name, type, dims, optional)
-_INPUTS = [("input_ids", "TYPE_INT64", (-1,), False), ("max_new_tokens", "TYPE_INT32", (1,), False),
-           ("end_id", "TYPE_INT32", (1,), True), ("pad_id", "TYPE_INT32", (1,), True),
-           ("temperature", "TYPE_FP32", (1,), True), ("top_k", "TYPE_INT32", (1,), True),
+# Integers a client may send past 2^31 are INT64: Triton wraps an INT32 silently before the model sees it.
+_INPUTS = [("input_ids", "TYPE_INT64", (-1,), False), ("max_new_tokens", "TYPE_INT64", (1,), False),
+           ("end_id", "TYPE_INT64", (1,), True), ("pad_id", "TYPE_INT32", (1,), True),
+           ("temperature", "TYPE_FP32", (1,), True), ("top_k", "TYPE_INT64", (1,), True),
            ("top_p", "TYPE_FP32", (1,), True), ("random_seed", "TYPE_INT64", (1,), True),
            ("stream", "TYPE_BOOL", (1,), True), ("stop_words", "TYPE_INT32", (2, -1), True),
            ("bad_words", "TYPE_INT32", (2, -1), True),
-           ("rag_lengths", "TYPE_INT32", (-1,), True),   # A3 chunked prompt, see a3_assembly.split_rag_prompt
+           ("rag_lengths", "TYPE_INT64", (-1,), True),   # A3 chunked prompt, see a3_assembly.split_rag_prompt
            ("reuse_prefix", "TYPE_BOOL", (1,), True)]    # completion with a prefix store: load the prompt's KV
 _OUTPUTS = [("output_ids", "TYPE_INT64", (-1,))]
-_PRE_INPUTS = [("QUERY", "TYPE_STRING", (1,), False), ("REQUEST_OUTPUT_LEN", "TYPE_INT32", (1,), False),
+_PRE_INPUTS = [("QUERY", "TYPE_STRING", (1,), False), ("REQUEST_OUTPUT_LEN", "TYPE_INT64", (1,), False),
                ("BAD_WORDS_DICT", "TYPE_STRING", (-1,), True), ("STOP_WORDS_DICT", "TYPE_STRING", (-1,), True),
-               ("END_ID", "TYPE_INT32", (1,), True), ("PAD_ID", "TYPE_INT32", (1,), True),
+               ("END_ID", "TYPE_INT64", (1,), True), ("PAD_ID", "TYPE_INT32", (1,), True),
                ("STREAM", "TYPE_BOOL", (1,), True)]
-_PRE_OUTPUTS = [("INPUT_ID", "TYPE_INT64", (-1,)), ("REQUEST_OUTPUT_LEN", "TYPE_INT32", (1,)),
-                ("OUT_END_ID", "TYPE_INT32", (1,)), ("OUT_PAD_ID", "TYPE_INT32", (1,)),
+_PRE_OUTPUTS = [("INPUT_ID", "TYPE_INT64", (-1,)), ("REQUEST_OUTPUT_LEN", "TYPE_INT64", (1,)),
+                ("OUT_END_ID", "TYPE_INT64", (1,)), ("OUT_PAD_ID", "TYPE_INT32", (1,)),
                 ("STOP_WORDS_IDS", "TYPE_INT32", (2, -1)), ("BAD_WORDS_IDS", "TYPE_INT32", (2, -1)),
                 ("OUT_STREAM", "TYPE_BOOL", (1,))]
 _POST_INPUTS = [("TOKENS_BATCH", "TYPE_INT64", (-1,), False)]
 _POST_OUTPUTS = [("OUTPUT", "TYPE_STRING", (-1,))]
 # the ensemble's inputs (TensorRT-LLM's names) and where each goes: (step, step input)
 _ENSEMBLE_INPUTS = [("text_input", "TYPE_STRING", (1,), False, "preprocessing", "QUERY"),
-                    ("max_tokens", "TYPE_INT32", (1,), False, "preprocessing", "REQUEST_OUTPUT_LEN"),
+                    ("max_tokens", "TYPE_INT64", (1,), False, "preprocessing", "REQUEST_OUTPUT_LEN"),
                     ("bad_words", "TYPE_STRING", (-1,), True, "preprocessing", "BAD_WORDS_DICT"),
                     ("stop_words", "TYPE_STRING", (-1,), True, "preprocessing", "STOP_WORDS_DICT"),
-                    ("end_id", "TYPE_INT32", (1,), True, "preprocessing", "END_ID"),
+                    ("end_id", "TYPE_INT64", (1,), True, "preprocessing", "END_ID"),
                     ("pad_id", "TYPE_INT32", (1,), True, "preprocessing", "PAD_ID"),
                     ("stream", "TYPE_BOOL", (1,), True, "preprocessing", "STREAM"),
-                    ("top_k", "TYPE_INT32", (1,), True, "engine", "top_k"),
+                    ("top_k", "TYPE_INT64", (1,), True, "engine", "top_k"),
                     ("top_p", "TYPE_FP32", (1,), True, "engine", "top_p"),
                     ("temperature", "TYPE_FP32", (1,), True, "engine", "temperature"),
                     ("random_seed", "TYPE_INT64", (1,), True, "engine", "random_seed")]
@@ -89,9 +96,11 @@ _PRE_TO_ENGINE = [("INPUT_ID", "input_ids"), ("REQUEST_OUTPUT_LEN", "max_new_tok
 
 
 def default_sys_path() -> list[str]:
-    """The running interpreter's site-packages directories (their ``.pth`` files, e.g. an
-    editable install's finder, are processed by ``model.py`` through ``site.addsitedir``)."""
-    dirs = list(site.getsitepackages())
+    """The directory this ``macattn`` is imported from (first: the models run the code that wrote
+    them, also when it comes from ``PYTHONPATH``), then the running interpreter's site-packages
+    directories (their ``.pth`` files, e.g. an editable install's finder, are processed by
+    ``model.py`` through ``site.addsitedir``)."""
+    dirs = [str(Path(__file__).resolve().parents[3])] + list(site.getsitepackages())
     if site.ENABLE_USER_SITE:
         dirs.append(site.getusersitepackages())
     dirs += [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]

@@ -9,6 +9,13 @@ What it takes (../shared/FACTS.md, re-checked here):
   ``libpython3.X`` and derives its stdlib from the first ``python3`` on ``PATH`` (e.g. a pyenv
   ``versions/3.11.7/bin``), and a foreign stdlib fails (``_ssl``: undefined symbol). Such
   directories are dropped. ``PYTHONHOME`` / ``PYTHONPATH`` are ignored by the stub.
+
+The admin endpoints (``ADMIN_ENDPOINTS``: log settings, traces, statistics, the repository index
+and load / unload, shared memory, and the model configurations, which hold this machine's paths)
+are restricted as pytriton restricts them (``TritonSecurityConfig``, Triton's
+``--http-restricted-api`` / ``--grpc-restricted-protocol``): they answer only requests with the
+header ``triton-access-token: <admin_token>`` (a random token unless one is given). Health,
+metadata and inference stay open.
 """
 from __future__ import annotations
 
@@ -25,9 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["RunningServer", "TritonLaunch", "prepare_tritonserver", "serve"]
+__all__ = ["ADMIN_ENDPOINTS", "RunningServer", "TritonLaunch", "prepare_tritonserver", "serve"]
 
 PYVER = f"{sys.version_info.major}.{sys.version_info.minor}"
+# pytriton's DEFAULT_PROTECTED_ENDPOINTS plus the model configurations (paths of this machine)
+ADMIN_ENDPOINTS = ["shared-memory", "model-repository", "statistics", "trace", "logging", "model-config"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,7 @@ class TritonLaunch:
     argv: list[str]
     env: dict[str, str]
     cwd: str
+    admin_token: str
 
 
 def _wheel() -> tuple[Path, Path]:
@@ -73,9 +83,11 @@ def _clean_path(path: str, home: Path | None) -> str:
 
 
 def prepare_tritonserver(repo: str | Path, workdir: str | Path, *, http_port: int, grpc_port: int,
-                         address: str = "127.0.0.1", metrics_port: int | None = None) -> TritonLaunch:
+                         address: str = "127.0.0.1", metrics_port: int | None = None,
+                         admin_token: str | None = None) -> TritonLaunch:
     """Set up ``workdir/backends`` and return the command line and environment to start the
-    server on ``address`` with the given ports (``metrics_port`` None: no Prometheus endpoint).
+    server on ``address`` with the given ports (``metrics_port`` None: no Prometheus endpoint), its
+    ``ADMIN_ENDPOINTS`` open only to ``admin_token`` (None: a random one, in the returned launch).
     Raises ``RuntimeError`` saying why the bundled server cannot run on this machine."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise RuntimeError(f"the wheel's tritonserver is a Linux x86_64 binary; this is "
@@ -94,6 +106,10 @@ def prepare_tritonserver(repo: str | Path, workdir: str | Path, *, http_port: in
         raise RuntimeError(f"tritonserver cannot start here: {exc}") from exc
     if b"Usage: tritonserver" not in r.stdout + r.stderr:
         raise RuntimeError(f"tritonserver cannot start here: {(r.stdout + r.stderr)[-500:]!r}")
+    from pytriton.triton import TRITON_ACCESS_HEADER, TritonSecurityConfig
+
+    security = TritonSecurityConfig(access_token=admin_token, restricted_endpoints=ADMIN_ENDPOINTS)
+    restricted = f"{','.join(security.restricted_endpoints)}:{TRITON_ACCESS_HEADER}={security.access_token}"
     workdir = Path(workdir)
     backends = workdir / "backends"
     if not backends.exists():
@@ -101,21 +117,23 @@ def prepare_tritonserver(repo: str | Path, workdir: str | Path, *, http_port: in
         shutil.copy2(stub, backends / "python" / "triton_python_backend_stub")
     argv = [str(binary), f"--model-repository={Path(repo).resolve()}", f"--backend-directory={backends.resolve()}",
             f"--http-address={address}", f"--http-port={http_port}", f"--grpc-address={address}",
-            f"--grpc-port={grpc_port}", "--exit-timeout-secs=5"]
+            f"--grpc-port={grpc_port}", "--exit-timeout-secs=5", f"--http-restricted-api={restricted}",
+            f"--grpc-restricted-protocol={restricted}"]
     argv += (["--allow-metrics=false"] if metrics_port is None else
              ["--allow-metrics=true", "--allow-gpu-metrics=false", f"--metrics-address={address}",
               f"--metrics-port={metrics_port}"])
-    return TritonLaunch(argv, env, str(workdir))
+    return TritonLaunch(argv, env, str(workdir), security.access_token)
 
 
 @dataclass(frozen=True)
 class RunningServer:
     """A started ``tritonserver``: its endpoints (``host:port``; ``metrics_url`` serves Prometheus
-    text at ``/metrics``), process and log file."""
+    text at ``/metrics``), process and log file, and the token its admin endpoints ask for."""
     http_url: str
     grpc_url: str
     process: subprocess.Popen
     log_path: Path
+    admin_token: str
     metrics_url: str | None = None
 
 
@@ -127,11 +145,12 @@ def _free_port(address: str) -> int:
 
 @contextmanager
 def serve(repo: str | Path, workdir: str | Path, *, http_port: int = 0, grpc_port: int = 0,
-          metrics_port: int | None = 0, address: str = "127.0.0.1",
+          metrics_port: int | None = 0, address: str = "127.0.0.1", admin_token: str | None = None,
           ready_timeout: float = 120.0) -> Iterator[RunningServer]:
     """Start the bundled ``tritonserver`` on ``repo``, wait until the server and every model of the
     repository are ready, yield the endpoints, and stop the server on exit. Port 0 picks a free
-    port; ``metrics_port`` None turns the metrics endpoint off. Raises ``RuntimeError`` with the end
+    port; ``metrics_port`` None turns the metrics endpoint off; ``admin_token`` opens the
+    ``ADMIN_ENDPOINTS`` (None: a random token, in the yielded ``RunningServer``). Raises ``RuntimeError`` with the end
     of the server log if it exits or is not ready in ``ready_timeout`` seconds."""
     from tritonclient import http as httpclient
 
@@ -144,7 +163,7 @@ def serve(repo: str | Path, workdir: str | Path, *, http_port: int = 0, grpc_por
     if metrics_port is not None:
         metrics_port = metrics_port or _free_port(address)
     launch = prepare_tritonserver(repo, workdir, http_port=http_port, grpc_port=grpc_port, address=address,
-                                  metrics_port=metrics_port)
+                                  metrics_port=metrics_port, admin_token=admin_token)
     models = sorted(p.name for p in Path(repo).iterdir() if (p / "config.pbtxt").is_file())
     log_path = workdir / "tritonserver.log"
     with open(log_path, "wb") as log:
@@ -165,7 +184,7 @@ def serve(repo: str | Path, workdir: str | Path, *, http_port: int = 0, grpc_por
                                        f"{log_path.read_text()[-3000:]}")
                 time.sleep(0.25)
             client.close()  # an open keep-alive connection would hold the shutdown
-            yield RunningServer(f"{address}:{http_port}", f"{address}:{grpc_port}", proc, log_path,
+            yield RunningServer(f"{address}:{http_port}", f"{address}:{grpc_port}", proc, log_path, launch.admin_token,
                                 None if metrics_port is None else f"{address}:{metrics_port}")
         finally:
             client.close()

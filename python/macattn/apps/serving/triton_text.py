@@ -4,9 +4,9 @@ parameter names one of them. Tokenizer: ``tokenizer_dir`` (a transformers tokeni
 a directory with only ``tokenizer.json`` such as the built-in checkpoint's).
 
 ``preprocessing`` inputs (TensorRT-LLM's names): ``QUERY`` STRING ``[1]``, ``REQUEST_OUTPUT_LEN``
-INT32 ``[1]``; optional ``BAD_WORDS_DICT`` / ``STOP_WORDS_DICT`` STRING ``[-1]``, ``END_ID`` /
+INT64 ``[1]``; optional ``BAD_WORDS_DICT`` / ``STOP_WORDS_DICT`` STRING ``[-1]``, ``END_ID`` INT64 /
 ``PAD_ID`` INT32 ``[1]``, ``STREAM`` BOOL ``[1]``. Outputs: ``INPUT_ID`` INT64 ``[-1]``,
-``REQUEST_OUTPUT_LEN`` INT32 ``[1]``, ``OUT_END_ID`` / ``OUT_PAD_ID`` INT32 ``[1]`` (the tokenizer's
+``REQUEST_OUTPUT_LEN`` INT64 ``[1]``, ``OUT_END_ID`` INT64 / ``OUT_PAD_ID`` INT32 ``[1]`` (the tokenizer's
 EOS / pad when not given), ``STOP_WORDS_IDS`` / ``BAD_WORDS_IDS`` INT32 ``[2, -1]`` (TensorRT-LLM's
 word-list layout: row 0 the words' token ids back to back, row 1 each word's end offset, ``-1``
 padded), ``OUT_STREAM`` BOOL ``[1]`` (False when not given).
@@ -124,8 +124,8 @@ class TextStage:
         words = {key: [self.tok.encode(w, add_special_tokens=False) for w in self._strings(request, name)]
                  for key, name in (("stop_words", "STOP_WORDS_DICT"), ("bad_words", "BAD_WORDS_DICT"))}
         return [pb.Tensor("INPUT_ID", np.asarray(ids, dtype=np.int64)),
-                pb.Tensor("REQUEST_OUTPUT_LEN", np.asarray([max_tokens], dtype=np.int32)),
-                pb.Tensor("OUT_END_ID", np.asarray([-1 if end_id is None else end_id], dtype=np.int32)),
+                pb.Tensor("REQUEST_OUTPUT_LEN", np.asarray([max_tokens], dtype=np.int64)),
+                pb.Tensor("OUT_END_ID", np.asarray([-1 if end_id is None else end_id], dtype=np.int64)),
                 pb.Tensor("OUT_PAD_ID", np.asarray([-1 if pad_id is None else pad_id], dtype=np.int32)),
                 pb.Tensor("STOP_WORDS_IDS", word_list(words["stop_words"])),
                 pb.Tensor("BAD_WORDS_IDS", word_list(words["bad_words"])),
