@@ -47,7 +47,7 @@ class MacAttention(AttentionMethod):
     config_type: ClassVar[type] = MacConfig
     capabilities: ClassVar[Capabilities] = Capabilities(
         paged_kv=True, cuda_graphs=True, onnx_export=True, tensorrt_plugin=True, needs_pre_rope_query=True,
-        miss_policies=ENGINE_MISS_POLICIES, head_sharded=True)
+        miss_policies=ENGINE_MISS_POLICIES, head_sharded=True, prefix_caching=True)
 
     def __init__(self, config: MacConfig, dims: ModelDims, *, num_slots: int,
                  query_dtype: torch.dtype | None = None) -> None:
@@ -94,6 +94,14 @@ class MacAttention(AttentionMethod):
 
     def slot_states(self):
         return {"mac": self.state}
+
+    def prefix_recompute_tokens(self) -> int:
+        """The largest ring window ``K`` over the layers. A prefill seeds a ring from the pre-RoPE queries of
+        the prompt's last ``K`` positions (``_seed``), which exist only while those positions run: so a
+        prefix-cache hit leaves at least ``K`` tokens to prefill. Its prefill is then a continued chunk over
+        the cached K/V writing every ring column, the ring the same as a prefill of the whole prompt in
+        chunks split there (bitwise on the CPU reference)."""
+        return max(self.config.for_layer(layer).window for layer in range(self.dims.num_layers))
 
     def request_metrics(self, slot: int) -> dict[str, float]:
         return self.state.diagnostics.request(slot) if self.collect_diagnostics else {}
