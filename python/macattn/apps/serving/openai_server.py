@@ -690,14 +690,21 @@ def _choices(req: GenRequest, jobs: list[_Job]) -> int:
 
 
 def _usage(jobs: list[_Job], outs: list[RequestOutput], hide: bool) -> dict:
-    """Prompt tokens once per prompt (not per sample), generated tokens of every choice."""
+    """Prompt tokens once per prompt (not per sample), generated tokens of every choice;
+    ``prompt_tokens_details.cached_tokens``: the prompt tokens served from the prefix cache (once per prompt, from
+    the finished requests' ``num_cached_tokens``)."""
     seen, prompt = set(), 0
     for j in jobs:
         if j.prompt_index not in seen:
             seen.add(j.prompt_index)
             prompt += len(j.prompt_ids)
     gen = 0 if hide else sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": gen, "total_tokens": prompt + gen}
+    prompt_of = {j.handle.request_id: j.prompt_index for j in jobs}
+    cached: dict[int, int] = {}
+    for o in outs:
+        cached.setdefault(prompt_of.get(o.request_id), o.metrics.get("num_cached_tokens", 0))
+    return {"prompt_tokens": prompt, "completion_tokens": gen, "total_tokens": prompt + gen,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 def _head(endpoint: str, jobs: list[_Job], model: str, *, chunk: bool = False) -> dict:
