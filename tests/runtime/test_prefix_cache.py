@@ -136,10 +136,10 @@ def test_the_ring_after_a_hit_equals_the_ring_after_a_fresh_prefill(long, budget
 
 
 def test_a_hit_leaves_the_method_state_to_compute():
-    """MAC: at least its window K = 16 tokens computed; full attention: at least one (the first token's logits).
-    A prompt asked again whole is served from its blocks up to that limit."""
-    p = torch.cat([DOC, QUESTIONS[1]])                       # 73 tokens
-    for case, expect in (("mac", 48), ("full", 64)):
+    """MAC: at least its window K = 16 tokens computed; MAC off (no layer reads its ring) and full attention: at least
+    one (the first token's logits). A prompt asked again whole is served from its blocks up to that limit."""
+    p = torch.cat([DOC, QUESTIONS[1]])                       # 78 tokens
+    for case, expect in (("mac", 48), ("mac_off", 64), ("full", 64)):
         eng = _engine(case=case)
         _turns(eng, [p, p])
         assert (eng.prefix_cache_queries, eng.prefix_cache_hits) == (2 * len(p), expect)

@@ -96,12 +96,14 @@ class MacAttention(AttentionMethod):
         return {"mac": self.state}
 
     def prefix_recompute_tokens(self) -> int:
-        """The largest ring window ``K`` over the layers. A prefill seeds a ring from the pre-RoPE queries of
-        the prompt's last ``K`` positions (``_seed``), which exist only while those positions run: so a
+        """The largest ring window ``K`` over the layers where MAC is enabled (0 when it is enabled on none: a
+        layer with MAC off never matches against its ring). A prefill seeds a ring from the pre-RoPE queries
+        of the prompt's last ``K`` positions (``_seed``), which exist only while those positions run: so a
         prefix-cache hit leaves at least ``K`` tokens to prefill. Its prefill is then a continued chunk over
-        the cached K/V writing every ring column, the ring the same as a prefill of the whole prompt in
-        chunks split there (bitwise on the CPU reference)."""
-        return max(self.config.for_layer(layer).window for layer in range(self.dims.num_layers))
+        the cached K/V writing every ring column: the ring equals a fresh prefill's (bit for bit on the CPU
+        reference when the rest runs as one chunk)."""
+        params = [self.config.for_layer(layer) for layer in range(self.dims.num_layers)]
+        return max((p.window for p in params if p.enabled), default=0)
 
     def request_metrics(self, slot: int) -> dict[str, float]:
         return self.state.diagnostics.request(slot) if self.collect_diagnostics else {}
