@@ -315,3 +315,26 @@ def test_engine_args_carry_enable_prefix_caching():
         EngineArgs(enable_prefix_caching="yes")
     with pytest.raises(ValueError, match="enable_prefix_caching must be a bool"):
         RuntimeConfig(enable_prefix_caching=1)
+
+
+def test_tensor_parallel_ranks_reuse_the_cached_blocks():
+    """TP = 2 (gloo): every rank's pool holds the cached blocks' K/V (rank 0's block tables are every rank's), so
+    the later turns over the document equal TP = 1 without the cache (logits <= 1e-5 fp32, the same tokens)."""
+    from test_tensor_parallel import MAC as TP_MAC, tp_model
+
+    ps = [p % 250 for p in _multi_turn()]
+
+    def run(tp, cache):
+        eng = LLMEngine(tp_model("llama"), TP_MAC, RuntimeConfig(max_batch_size=2, max_seq_len=128, block_size=BS,
+                                                                 tensor_parallel_size=tp, enable_prefix_caching=cache))
+        try:
+            out, logits = _turns(eng, ps)
+            return out, logits, eng.prefix_cache_hits
+        finally:
+            eng.close()
+
+    plain_out, plain_logits, _ = run(1, False)
+    out, logits, hits = run(2, True)
+    assert out == plain_out and hits >= 4 * 3 * BS
+    for a, b in zip(logits, plain_logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
