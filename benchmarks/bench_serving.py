@@ -10,6 +10,7 @@ model, or ``--url``), at most ``concurrency`` in flight, arrivals Poisson at ``-
     python benchmarks/bench_serving.py                        # CPU, built-in model: one run of --num-prompts etc.
     python benchmarks/bench_serving.py --dry-run              # tiny requests on the CPU: checks the script
     python benchmarks/bench_serving.py --dry-run --workload ttft_1k --workload long_4x32k_1024 --mac-ab
+    python benchmarks/bench_serving.py --model llama8b-random --device cuda --workload multiturn_32k
     python benchmarks/bench_serving.py --url http://host:8000 --model NAME   # an already running server (no floor)
 
 Named workloads (``--workload NAME``, repeatable; all of them by default on ``--device cuda``; ``--dry-run``
@@ -26,6 +27,10 @@ long_4x32k_1024     4 x (32K in, 1024 out), MAC on; hit         as above, per va
                     patterns ``model`` / ``seeded90`` /
                     ``seeded100`` (``--hit-patterns``); MAC off
                     too with ``--mac-ab``
+multiturn_32k       one 32K document, then 4 turns of (the      TTFT per turn and cached prompt tokens per
+                    document + a ~100-token question, 16 out),  turn (``usage.prompt_tokens_details``), the
+                    one at a time, greedy; prefix caching on    later turns' TTFT p50 / the first turn's
+                    and off (same MAC)
 ==================  =========================================  ============================================
 
 ``--no-mac`` runs every workload with MAC off (``LLM(mac="off")``). Hit patterns: ``model`` is the model's
@@ -116,27 +121,8 @@ async def run(url: str, model: str, args=None, *, num_prompts: int | None = None
     records: list[dict] = []
 
     async def one(prompt):
-        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
-                           "stream": True, "stream_options": {"include_usage": True}})
         async with gate:
-            t0 = time.perf_counter()
-            chunks, usage = [], None
-            async with client.stream("POST", "/v1/completions", content=body,
-                                     headers={"Content-Type": "application/json"}) as resp:
-                if resp.status_code != 200:
-                    raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}")
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    ch = json.loads(line[6:])
-                    if ch.get("choices") and ch["choices"][0].get("text"):
-                        chunks.append(time.perf_counter())
-                    if ch.get("usage"):
-                        usage = ch["usage"]
-            t1 = time.perf_counter()
-            records.append({"ttft": chunks[0] - t0 if chunks else None,
-                            "itl": [b - a for a, b in zip(chunks, chunks[1:])], "e2e": t1 - t0,
-                            "output_tokens": usage["completion_tokens"] if usage else len(chunks)})
+            records.append(await _stream_one(client, model, prompt, output_len))
 
     tasks, start = [], time.perf_counter()
     for p in prompts:
@@ -146,11 +132,66 @@ async def run(url: str, model: str, args=None, *, num_prompts: int | None = None
     await asyncio.gather(*tasks)
     wall = time.perf_counter() - start
     await client.aclose()
+    return _results(records, wall)
+
+
+async def _stream_one(client, model: str, prompt: list[int], output_len: int) -> dict:
+    """One streaming greedy completion of ``prompt``: its TTFT, inter-token gaps, e2e (s), output tokens and the
+    prompt tokens the server served from its prefix cache (``usage.prompt_tokens_details.cached_tokens``; None
+    from a server that does not report it)."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
+                       "stream": True, "stream_options": {"include_usage": True}})
+    t0 = time.perf_counter()
+    chunks, usage = [], None
+    async with client.stream("POST", "/v1/completions", content=body,
+                             headers={"Content-Type": "application/json"}) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ch = json.loads(line[6:])
+            if ch.get("choices") and ch["choices"][0].get("text"):
+                chunks.append(time.perf_counter())
+            if ch.get("usage"):
+                usage = ch["usage"]
+    t1 = time.perf_counter()
+    return {"ttft": chunks[0] - t0 if chunks else None, "itl": [b - a for a, b in zip(chunks, chunks[1:])],
+            "e2e": t1 - t0, "output_tokens": usage["completion_tokens"] if usage else len(chunks),
+            "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")}
+
+
+def _results(records: list[dict], wall: float) -> dict:
     out_tokens = sum(r["output_tokens"] for r in records)
     return {"requests": len(records), "duration_s": wall, "request_throughput_per_s": len(records) / wall,
             "output_token_throughput_per_s": out_tokens / wall, "output_tokens": out_tokens,
             "ttft_s": _stats([r["ttft"] for r in records if r["ttft"] is not None]),
             "itl_s": _stats([g for r in records for g in r["itl"]]), "e2e_s": _stats([r["e2e"] for r in records])}
+
+
+async def turns(url: str, model: str, *, doc_len: int, question_len: int, num_turns: int, output_len: int,
+                vocab: int, seed: int) -> dict:
+    """The multi-turn load: one document of ``doc_len`` random token ids, then ``num_turns`` requests, one at a
+    time, each the document followed by a fresh question of ``question_len`` ids (greedy, ``output_len`` out).
+    ``run``'s figures plus ``turns`` (per turn: TTFT s, cached prompt tokens), the first turn's TTFT and the
+    later turns' TTFT p50 over it (what prefix caching is for: the document is prefilled once)."""
+    import httpx
+
+    rng = random.Random(seed)
+    doc = [rng.randrange(300, vocab) for _ in range(doc_len)]
+    client = httpx.AsyncClient(base_url=url, timeout=3600)
+    records, start = [], time.perf_counter()
+    for _ in range(num_turns):
+        question = [rng.randrange(300, vocab) for _ in range(question_len)]
+        records.append(await _stream_one(client, model, doc + question, output_len))
+    wall = time.perf_counter() - start
+    await client.aclose()
+    first, later = records[0]["ttft"], [r["ttft"] for r in records[1:]]
+    later_p50 = _pct(later, 50)
+    return {**_results(records, wall),
+            "turns": [{"ttft_s": r["ttft"], "cached_tokens": r["cached_tokens"]} for r in records],
+            "ttft_first_turn_s": first, "ttft_later_turns_p50_s": later_p50,
+            "later_over_first": later_p50 / first if first and later_p50 is not None else None}
 
 
 _CLIENT = None
@@ -174,6 +215,21 @@ def client_load(url: str, model: str, args, **kw) -> dict:
 
 def _run_sync(url: str, model: str, kw: dict) -> dict:
     return asyncio.run(run(url, model, None, **kw))
+
+
+def client_turns(url: str, model: str, **kw) -> dict:
+    """``turns`` in the client process (``client_load``'s)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    global _CLIENT
+    if _CLIENT is None:
+        _CLIENT = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    return _CLIENT.submit(_turns_sync, url, model, kw).result()
+
+
+def _turns_sync(url: str, model: str, kw: dict) -> dict:
+    return asyncio.run(turns(url, model, **kw))
 
 
 def close_client() -> None:
@@ -213,8 +269,11 @@ def hit_rate_between(before: dict, after: dict) -> dict:
 class Workload:
     """One named load: ``num_prompts`` requests of ``input_len`` prompt tokens and ``output_len`` output
     tokens, ``concurrency`` in flight, served by an engine of ``max_seq_len`` (None: the model's) and
-    ``concurrency`` slots. ``kind``: ``"ttft"`` (sequential single requests) or ``"throughput"``.
-    ``patterns``: MAC hit patterns run with MAC on; ``ab``: ``--mac-ab`` adds a MAC-off record."""
+    ``concurrency`` slots. ``kind``: ``"ttft"`` (sequential single requests), ``"throughput"`` or ``"multiturn"``
+    (``turns``: a document of ``input_len`` tokens asked ``num_prompts`` questions of ``question_len`` tokens,
+    one at a time, with prefix caching on and off). ``patterns``: MAC hit patterns run with MAC on; ``ab``:
+    ``--mac-ab`` adds a MAC-off record. ``mac_window``: MAC's window for this workload (None: MAC's default; the
+    dry run's documents are shorter than the default window, which a cache hit leaves to compute)."""
 
     name: str
     num_prompts: int
@@ -226,6 +285,8 @@ class Workload:
     patterns: tuple[str, ...] = ("model",)
     ab: bool = False
     max_batch_size: int | None = None      # None: concurrency
+    question_len: int = 0
+    mac_window: int | None = None
 
     @property
     def slots(self) -> int:
@@ -234,12 +295,14 @@ class Workload:
     @property
     def prefill_mix(self) -> tuple[int, int]:
         """(prompts prefilled together, tokens each): the mix whose floor the TTFT is compared with."""
+        if self.kind == "multiturn":                   # the first turn: the whole document and a question
+            return 1, self.input_len + self.question_len
         return (1 if self.kind == "ttft" else min(self.concurrency, self.num_prompts)), self.input_len
 
     @property
     def decode_point(self) -> tuple[int, int] | None:
         """(batch, context) of the decode floor, None when no decode step runs."""
-        if self.kind == "ttft" or self.output_len <= 1:
+        if self.kind != "throughput" or self.output_len <= 1:
             return None
         return min(self.concurrency, self.num_prompts), self.input_len
 
@@ -251,12 +314,15 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("mix_1k_64", 64, 1024, 64, 16, 1024 + 64 + 64),
     Workload("long_4x32k_128", 4, 32768, 128, 4, _LONG_SEQ),
     Workload("long_4x32k_1024", 4, 32768, 1024, 4, _LONG_SEQ, patterns=("model", "seeded90", "seeded100"), ab=True),
+    Workload("multiturn_32k", 4, 32768, 16, 1, 32768 + 128 + 16, kind="multiturn", question_len=100),
 )}
 # --dry-run: the same workloads with a few tokens (the CPU, the built-in model)
 _DRY = {"ttft_1k": dict(input_len=24, max_seq_len=64), "ttft_32k": dict(input_len=96, max_seq_len=160),
         "mix_1k_64": dict(num_prompts=6, input_len=16, output_len=4, concurrency=3, max_seq_len=48),
         "long_4x32k_128": dict(num_prompts=2, input_len=64, output_len=3, concurrency=2, max_seq_len=96),
-        "long_4x32k_1024": dict(num_prompts=2, input_len=64, output_len=6, concurrency=2, max_seq_len=96)}
+        "long_4x32k_1024": dict(num_prompts=2, input_len=64, output_len=6, concurrency=2, max_seq_len=96),
+        "multiturn_32k": dict(num_prompts=3, input_len=96, question_len=8, output_len=3, max_seq_len=128,
+                              mac_window=16)}
 
 
 def resolve_workloads(args) -> list[Workload]:
@@ -280,14 +346,14 @@ def resolve_workloads(args) -> list[Workload]:
     return out
 
 
-def variants(w: Workload, args) -> list[tuple[str, str | None]]:
-    """``(mac "on"/"off", hit pattern or None)`` per record of ``w``."""
-    if args.no_mac:
-        return [("off", None)]
-    v = [("on", p) for p in w.patterns]
-    if args.mac_ab and w.ab:
+def variants(w: Workload, args) -> list[tuple[str, str | None, bool | None]]:
+    """``(mac "on"/"off", hit pattern or None, prefix caching: True / False, None = the engine's default)`` per
+    record of ``w``: a multi-turn workload runs each MAC variant with the cache on, then off."""
+    v = [("off", None)] if args.no_mac else [("on", p) for p in w.patterns]
+    if not args.no_mac and args.mac_ab and w.ab:
         v.append(("off", None))
-    return v
+    caching = (True, False) if w.kind == "multiturn" else (None,)
+    return [(mac, p, c) for mac, p in v for c in caching]
 
 
 # --- seeded hit patterns (benchmark only) ---------------------------------------------------------
@@ -454,14 +520,19 @@ def prewarm_graphs(llm) -> dict:
 class Server:
     """An ``LLM`` on the shared model and its OpenAI server on a free local port (uvicorn in a thread)."""
 
-    def __init__(self, model, tok, args, w: Workload, method: str, mac: str | None, llm_kw: dict) -> None:
+    def __init__(self, model, tok, args, w: Workload, method: str, mac: str | None, llm_kw: dict,
+                 prefix_caching: bool | None = None) -> None:
         import uvicorn
 
         from macattn.apps.llm import LLM
         from macattn.apps.serving.openai_server import build_app
 
-        self.key = server_key(w, method, mac)
+        self.key = server_key(w, method, mac, prefix_caching)
         t0 = time.perf_counter()
+        if prefix_caching is not None:
+            llm_kw = {**llm_kw, "enable_prefix_caching": prefix_caching}
+        if w.mac_window is not None and mac != "off":
+            llm_kw = {**llm_kw, "mac_window": w.mac_window}
         self.llm = LLM(model, tokenizer=tok, method=method, mac=mac, device=args.device, max_batch_size=w.slots,
                        max_seq_len=w.max_seq_len, **llm_kw)
         self.server = self.thread = None
@@ -487,7 +558,7 @@ class Server:
     def info(self) -> dict:
         return {"method": self.key[2], "mac": self.key[3] or "on", "max_batch_size": self.key[0],
                 "max_seq_len": self.llm.engine.config.max_seq_len, "start_s": self.start_s,
-                "graph_prewarm": self.prewarm}
+                "prefix_caching": getattr(self.llm.engine, "prefix_caching", False), "graph_prewarm": self.prewarm}
 
     def stop(self) -> None:
         """Stop the server (``should_exit``, thread joined), the engine loop (``llm.shutdown()``), unbind the
@@ -509,8 +580,8 @@ class Server:
             torch.cuda.empty_cache()
 
 
-def server_key(w: Workload, method: str, mac: str | None) -> tuple:
-    return (w.slots, w.max_seq_len, method, mac)
+def server_key(w: Workload, method: str, mac: str | None, prefix_caching: bool | None = None) -> tuple:
+    return (w.slots, w.max_seq_len, method, mac, prefix_caching, w.mac_window)
 
 
 # --- the floor beside each record -----------------------------------------------------------------
@@ -572,6 +643,19 @@ def print_summary(res: dict) -> None:
           f"{res['output_token_throughput_per_s']:.1f} output tok/s")
 
 
+def format_turns(records: list[dict]) -> str:
+    """The multi-turn records: TTFT and cached prompt tokens per turn, later turns' TTFT p50 / the first's."""
+    lines = []
+    for r in records:
+        res = r.get("results") or {}
+        if "turns" not in res:
+            continue
+        per = " ".join(f"{_ms(t['ttft_s'])}ms/{t['cached_tokens']}" for t in res["turns"])
+        lines.append(f"{r['workload']:<16} {r['variant']:<36} TTFT/cached per turn: {per}; later / first "
+                     f"{_f(res['later_over_first'], '.3f')}")
+    return "\n".join(lines)
+
+
 def format_records(records: list[dict]) -> str:
     """Every record beside its floor."""
     head = (f"{'workload':<16} {'variant':<18} {'TTFT p50':>9} {'p99':>8} {'floor':>8} {'x floor':>7} "
@@ -583,7 +667,7 @@ def format_records(records: list[dict]) -> str:
             lines.append(f"{r['workload']:<16} {r['variant']:<18} error: {r.get('error', '?')[:90]}")
             continue
         res, fl, ra = r["results"], r["floor"], r["ratios"]
-        tok = res["output_token_throughput_per_s"] if r["kind"] != "ttft" else None
+        tok = res["output_token_throughput_per_s"] if r["kind"] == "throughput" else None
         lines.append(f"{r['workload']:<16} {r['variant']:<18} {_ms(res['ttft_s']['p50']):>9} "
                      f"{_ms(res['ttft_s']['p99']):>8} "
                      f"{_f(fl.get('prefill_floor_ms'), '.1f'):>8} {_f(ra['ttft_p50_over_prefill_floor']):>7} "
@@ -660,8 +744,12 @@ def main(argv=None) -> int:
         for w in workloads:
             rec = {"workload": w.name, "kind": w.kind, "variant": "external server", **asdict(w)}
             before = scrape_metrics(args.url)
-            res = client_load(args.url, args.model, args, num_prompts=w.num_prompts, input_len=w.input_len,
-                              output_len=w.output_len, concurrency=w.concurrency)
+            if w.kind == "multiturn":            # the server's own prefix-caching setting
+                res = client_turns(args.url, args.model, doc_len=w.input_len, question_len=w.question_len,
+                                   num_turns=w.num_prompts, output_len=w.output_len, vocab=args.vocab, seed=args.seed)
+            else:
+                res = client_load(args.url, args.model, args, num_prompts=w.num_prompts, input_len=w.input_len,
+                                  output_len=w.output_len, concurrency=w.concurrency)
             rec.update(hit_rate_between(before, scrape_metrics(args.url)))
             rec.update(results=res, floor=floor_for(w, None), ratios=ratios(res, {}))
             report["records"].append(rec)
@@ -692,19 +780,21 @@ def main(argv=None) -> int:
     failed = 0
     try:
         for w in workloads:
-            for mac, pattern in variants(w, args):
+            for mac, pattern, caching in variants(w, args):
                 method, mac_arg = method_for(mac, pattern)
-                variant = f"mac={mac}" + (f",hits={pattern}" if mac == "on" else "")
+                variant = (f"mac={mac}" + (f",hits={pattern}" if mac == "on" else "")
+                           + ("" if caching is None else f",prefix_cache={'on' if caching else 'off'}"))
                 rec = {"workload": w.name, "kind": w.kind, "variant": variant, "mac": mac,
-                       "hit_pattern": pattern if mac == "on" else None, "method": method, **asdict(w)}
+                       "hit_pattern": pattern if mac == "on" else None, "method": method,
+                       "prefix_caching": caching, **asdict(w)}
                 print(f"=== {w.name} {variant} ({w.num_prompts} x ({w.input_len} in, {w.output_len} out), "
                       f"{w.concurrency} in flight)", flush=True)
                 try:
-                    if current is None or current.key != server_key(w, method, mac_arg):
+                    if current is None or current.key != server_key(w, method, mac_arg, caching):
                         if current is not None:
                             current.stop()
                             current = None
-                        current = Server(model, tok, args, w, method, mac_arg, llm_kw)
+                        current = Server(model, tok, args, w, method, mac_arg, llm_kw, caching)
                     rec["server"] = current.info()
                     if not args.no_warmup:
                         t1 = time.perf_counter()
@@ -712,8 +802,13 @@ def main(argv=None) -> int:
                                     output_len=2, concurrency=1, seed=args.seed + 1000)
                         rec["warmup_s"] = time.perf_counter() - t1
                     before = scrape_metrics(current.url)
-                    res = client_load(current.url, args.model, args, num_prompts=w.num_prompts,
-                                      input_len=w.input_len, output_len=w.output_len, concurrency=w.concurrency)
+                    if w.kind == "multiturn":
+                        res = client_turns(current.url, args.model, doc_len=w.input_len, question_len=w.question_len,
+                                           num_turns=w.num_prompts, output_len=w.output_len, vocab=args.vocab,
+                                           seed=args.seed)
+                    else:
+                        res = client_load(current.url, args.model, args, num_prompts=w.num_prompts,
+                                          input_len=w.input_len, output_len=w.output_len, concurrency=w.concurrency)
                     rec.update(hit_rate_between(before, scrape_metrics(current.url)))
                     fl = floor_for(w, report["floor"])
                     rec.update(results=res, floor=fl, ratios=ratios(res, fl))
@@ -744,6 +839,9 @@ def main(argv=None) -> int:
 
         print(format_table(report["floor"]))
     print(format_records(report["records"]))
+    turns_table = format_turns(report["records"])
+    if turns_table:
+        print(turns_table)
     save()
     if out:
         print(f"wrote {out}")

@@ -386,6 +386,7 @@ def test_constructor_arguments_of_vllm_and_tensorrt_llm(tmp_path):
              tokenizer=str(BUILTIN_CHECKPOINT_DIR)) as llm:
         assert (llm.engine.config.max_seq_len, llm.engine.config.max_batch_size) == (64, 2)
         assert llm.args.gpu_memory_utilization == 0.5 and llm.engine.config.num_blocks == 2 * 4   # unused on CPU
+        assert not llm.engine.prefix_caching
         sp = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)         # no seed: the engine's
         first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
         [rest] = llm.generate(PROMPTS[0], SamplingParams(max_tokens=None, ignore_eos=True))
@@ -393,8 +394,8 @@ def test_constructor_arguments_of_vllm_and_tensorrt_llm(tmp_path):
     model, _ = load_builtin_checkpoint()
     with LLM(model, tokenizer=str(BUILTIN_CHECKPOINT_DIR), max_model_len=64, max_num_seqs=2, seed=9) as again:
         assert [o.outputs[0].token_ids for o in again.generate(PROMPTS, sp)] == first
-    with pytest.raises(ValueError, match="enable_prefix_caching=True is not supported yet"):
-        LLM("builtin", enable_prefix_caching=True)
+    with LLM("builtin", max_model_len=64, max_num_seqs=2, enable_prefix_caching=True) as cached:
+        assert cached.engine.prefix_caching and cached.engine.config.enable_prefix_caching is True
     with pytest.raises(ValueError, match="max_model_len=64 and max_seq_len=32 name the same engine argument"):
         LLM("builtin", max_model_len=64, max_seq_len=32)
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be a float in \(0, 1\]"):

@@ -88,6 +88,17 @@ def test_completions_equal_the_llm_api(server):
     assert all(len(top) in (2, 3) and max(top.values()) >= v for top, v in zip(lps.top_logprobs, lps.token_logprobs))
 
 
+def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(server):
+    """Two prompts sharing 144 tokens (9 blocks): the second prefills all but the cached blocks before MAC's window
+    (64) of its end: 160 - 64 -> 96 tokens cached, once per prompt whatever n."""
+    llm, url = server
+    doc = [5 + i % 97 for i in range(144)]
+    first = _post(url, "/v1/completions", {"prompt": doc + [7] * 8, "max_tokens": 2, "temperature": 0}).json()
+    again = _post(url, "/v1/completions", {"prompt": doc + [9] * 16, "max_tokens": 2, "n": 2}).json()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again["usage"]["prompt_tokens"] == 160 and again["usage"]["prompt_tokens_details"] == {"cached_tokens": 96}
+
+
 def test_prompt_lists_give_one_choice_per_prompt_and_sample(server):
     llm, url = server
     solo = [_greedy(llm, p, max_tokens=4) for p in PROMPTS[:3]]
@@ -427,7 +438,9 @@ def test_health_and_metrics(server):
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
                  "vllm:e2e_request_latency_seconds_count", "vllm:time_per_output_token_seconds",
                  "vllm:inter_token_latency_seconds", "vllm:request_success_total", "vllm:kv_cache_usage_perc",
-                 "vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
+                 "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "macattn_prefix_cache_queries_total",
+                 "macattn_prefix_cache_hits_total", 'vllm:prefix_cache_queries_total{model_name="builtin"}',
+                 'vllm:prefix_cache_hits_total{model_name="builtin"}'):
         assert name in text, name
     assert 'macattn_requests_total{endpoint="/v1/completions",status="200"}' in text
     counts = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines() if ln.startswith(("macattn_mac_",

@@ -101,10 +101,17 @@ def test_workload_selection_and_variants():
     assert [w.name for w in serving.resolve_workloads(_args())] == ["custom"]
     assert [w.name for w in serving.resolve_workloads(_args(device="cuda"))] == list(serving.WORKLOADS)
     long = serving.WORKLOADS["long_4x32k_1024"]
-    assert serving.variants(long, _args()) == [("on", "model"), ("on", "seeded90"), ("on", "seeded100")]
-    assert serving.variants(long, _args(mac_ab=True))[-1] == ("off", None)
-    assert serving.variants(long, _args(no_mac=True)) == [("off", None)]
-    assert serving.variants(serving.WORKLOADS["mix_1k_64"], _args(mac_ab=True)) == [("on", "model")]
+    assert serving.variants(long, _args()) == [("on", "model", None), ("on", "seeded90", None),
+                                                ("on", "seeded100", None)]
+    assert serving.variants(long, _args(mac_ab=True))[-1] == ("off", None, None)
+    assert serving.variants(long, _args(no_mac=True)) == [("off", None, None)]
+    assert serving.variants(serving.WORKLOADS["mix_1k_64"], _args(mac_ab=True)) == [("on", "model", None)]
+    turns = serving.WORKLOADS["multiturn_32k"]          # a 32K document, then ~100-token questions: cache on, off
+    assert serving.variants(turns, _args()) == [("on", "model", True), ("on", "model", False)]
+    assert serving.variants(turns, _args(no_mac=True)) == [("off", None, True), ("off", None, False)]
+    assert (turns.prefill_mix, turns.decode_point) == ((1, 32768 + 100), None)
+    dry = serving.resolve_workloads(_args(workload=["multiturn_32k"], dry_run=True))[0]
+    assert (dry.kind, dry.num_prompts, dry.input_len, dry.mac_window) == ("multiturn", 3, 96, 16)
     ttft = serving.resolve_workloads(_args(workload=["ttft_32k"], ttft_reps=5))[0]
     assert (ttft.num_prompts, ttft.concurrency, ttft.prefill_mix, ttft.decode_point) == (5, 1, (1, 32768), None)
 

@@ -42,9 +42,10 @@ def _drain(eng: LLMEngine, checks=None) -> dict[int, list]:
 
 
 def _check_pool(eng: LLMEngine) -> None:
-    """Every block is free xor held; a block's holders are exactly the running requests whose table has it."""
+    """Every block is free (plain, or evictable with a cached prefix) xor held; a block's holders are exactly the
+    running requests whose table has it."""
     blocks = eng.executor.blocks
-    free = list(blocks.free_blocks)
+    free = list(blocks.free_blocks) + list(blocks.evictable)
     assert len(free) == len(set(free)) and not set(free) & set(blocks.holders)
     assert len(free) + len(blocks.holders) == blocks.num_blocks
     holders: dict[int, set] = {}
@@ -57,7 +58,7 @@ def _check_pool(eng: LLMEngine) -> None:
 def _all_free(eng: LLMEngine) -> None:
     blocks = eng.executor.blocks
     assert blocks.num_free == blocks.num_blocks and not blocks.holders
-    assert sorted(blocks.free_blocks) == list(range(blocks.num_blocks))
+    assert sorted([*blocks.free_blocks, *blocks.evictable]) == list(range(blocks.num_blocks))
     assert eng.slot_states.num_free == eng.slot_states.num_slots
 
 

@@ -48,6 +48,10 @@ class Capabilities:
     composes: the method runs around another method's attention (FastMKA's fused K/V inputs).
     head_sharded: its per-request state is per head, so a tensor-parallel rank holds (and
     computes) only its heads' share of it (``macattn.models.tensor_parallel``).
+    prefix_caching: a request may start from cached KV blocks of a shared prompt prefix and prefill only
+    the rest (``RuntimeConfig.enable_prefix_caching``): its prefill-time state then equals a fresh
+    prefill's provided the last ``prefix_recompute_tokens()`` prompt tokens are computed. A method without it
+    is refused by name when prefix caching is asked for.
     """
 
     paged_kv: bool = True
@@ -59,6 +63,7 @@ class Capabilities:
     prefill_only: bool = False
     composes: bool = False
     head_sharded: bool = False
+    prefix_caching: bool = False
 
 
 @dataclass(frozen=True)
@@ -272,6 +277,12 @@ class AttentionMethod:
         """Whether this instance's decode (its config included) runs with no host synchronisation,
         so the runtime may capture it (only asked when ``capabilities.cuda_graphs`` is set)."""
         return True
+
+    def prefix_recompute_tokens(self) -> int:
+        """With ``capabilities.prefix_caching``: how many of a prompt's last tokens a prefix-cache hit must still
+        prefill so the per-request state the prefill seeds equals a fresh prefill's (a hit is cut back to
+        whole blocks before them). Default 0: the method seeds nothing from the prompt."""
+        return 0
 
     def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
         """Raise ``ValueError`` naming the limit when a request of this size cannot run (called before it

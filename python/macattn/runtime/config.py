@@ -54,6 +54,13 @@ class RuntimeConfig:
     max_prefill_tokens: the budget of a step in which no request decodes (prompt chunks only, so no
         stream waits on it); at least ``max_num_batched_tokens``. ``None`` = ``DEFAULT_CUDA_PREFILL_TOKENS``
         on CUDA, ``max_num_batched_tokens`` elsewhere.
+    enable_prefix_caching: automatic prefix caching (vLLM's flag; ``runtime/block_manager.py``): a request whose
+        prompt starts with full KV blocks another request prefilled takes those blocks and prefills only the rest
+        (at least the method's ``prefix_recompute_tokens()``, so its state equals a fresh prefill's). ``None`` = on
+        where the method supports it (``Capabilities.prefix_caching``, a model without FastMKA), off elsewhere;
+        ``True`` where it is not supported raises ``ValueError`` naming the method. Requests that build their KV
+        their own way (A3's chunked prompts, prefix-store loads) and requests asking for ``prompt_logprobs`` (every
+        position's logits) prefill their whole prompt.
     """
 
     max_batch_size: int = 8
@@ -68,6 +75,7 @@ class RuntimeConfig:
     max_prefill_tokens: int | None = None
     tensor_parallel_size: int = 1
     tp_timeout_s: float = 120.0
+    enable_prefix_caching: bool | None = None
 
     def __post_init__(self) -> None:
         _positive_int("max_batch_size", self.max_batch_size)
@@ -88,6 +96,8 @@ class RuntimeConfig:
         check_float("tp_timeout_s", self.tp_timeout_s, 0.0, lo_open=True)
         for name in ("use_cuda_graphs", "fused_weights"):
             check_bool(name, getattr(self, name))
+        if self.enable_prefix_caching is not None:
+            check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         if self.quantization is not None and not self.fused_weights:
             raise ValueError(f"quantization={self.quantization!r} needs fused_weights=True (the fused forward "

@@ -23,6 +23,7 @@ from macattn.methods.registry import method_class
 
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.executor import ModelExecutor
+from macattn.runtime.prefix_cache import PrefixCacheStats
 from macattn.runtime.sampling import MAX_SEED, SamplingConfig
 from macattn.runtime.scheduler import ScheduledStep, Scheduler
 from macattn.runtime.sequence import Sequence
@@ -148,12 +149,40 @@ class LLMEngine:
             self.slot_states.register(name, state)
         if self.executor.decoder is not None:    # the padding rows' scratch, never a request's
             self.executor.reserve_scratch(self.slot_states.acquire())
-        self.scheduler = Scheduler(self.slot_states, self.executor.blocks,
-                                   on_finish=lambda seq: seq.metrics.update(self.executor.request_metrics(seq.slot)),
+        caching = self.executor.prefix_caching
+        self.scheduler = Scheduler(self.slot_states, self.executor.blocks, on_finish=self._finished,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_prefill_tokens=config.max_prefill_tokens, packs=self.executor.packs)
+                                   max_prefill_tokens=config.max_prefill_tokens, packs=self.executor.packs,
+                                   prefix_recompute=self.executor.prefix_recompute_tokens() if caching else None)
         self.vocab_size = model.config.vocab_size
         self.requests: dict[int, Sequence] = {}
+
+    def _finished(self, seq: Sequence) -> None:
+        """A running request's figures as it ends: the method's (read before its slot is reset) and, with prefix
+        caching, ``num_cached_tokens`` (vLLM's name: prompt tokens served from cached KV blocks)."""
+        seq.metrics.update(self.executor.request_metrics(seq.slot))
+        if self.prefix_caching:
+            seq.metrics["num_cached_tokens"] = seq.num_cached_tokens
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether automatic prefix caching runs (``RuntimeConfig.enable_prefix_caching``, resolved)."""
+        return self.executor.prefix_caching
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix cache's counters (``queries`` / ``hits`` in prompt tokens; zeros with caching off)."""
+        return self.executor.blocks.stats
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """vLLM's ``prefix_cache_queries``: prompt tokens of the requests admitted with a cache lookup."""
+        return self.prefix_cache_stats.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """vLLM's ``prefix_cache_hits``: prompt tokens served from cached KV blocks (not prefilled)."""
+        return self.prefix_cache_stats.hits
 
     def close(self) -> None:
         """Release what the engine holds: its device memory (``ModelExecutor.close``) or a tensor-parallel
@@ -316,6 +345,8 @@ class LLMEngine:
                 rows = self.executor.prefill_chunks(list(scheduled.prefills))
             except Exception as exc:   # noqa: BLE001 - the running requests go on; the prefills: _prefill_alone
                 rows = self._prefill_alone(list(scheduled.prefills), exc, outputs)
+            for c in scheduled.prefills:
+                self.scheduler.commit(c)
             done = []
             for c, row in zip(scheduled.prefills, rows):
                 if row is not None:     # the prompt is prefilled: its forks start from it, sampled from its logits
@@ -333,13 +364,14 @@ class LLMEngine:
         return outputs
 
     def _prefill_alone(self, chunks: list, exc: Exception, outputs: list[StepOutput]) -> list:
-        """After the prefill of ``chunks`` raised ``exc``: a prompt's first chunk that nothing was written for is
+        """After the prefill of ``chunks`` raised ``exc``: a prompt's first computed chunk (from position 0, or
+        from the end of its cached prefix; nothing was written for it but its own rows, which a rerun rewrites) is
         prefilled again alone (the faulty request raises again and ends alone); any other chunk's request ends
         (its state may hold part of the failed call). Returns the rows ``prefill_chunks`` would have."""
         rows = []
         for c in chunks:
             cause = exc
-            if len(chunks) > 1 and c.start == 0 and c.seq.num_prefilled == 0:
+            if len(chunks) > 1 and c.start == c.seq.num_cached_tokens == c.seq.num_prefilled:
                 try:
                     rows += self.executor.prefill_chunks([c])
                     continue

@@ -111,8 +111,10 @@ class EngineArgs:
     """on CUDA, the share of the GPU's memory in (0, 1] the engine may fill: with num_blocks unset the KV pool gets
     (this x total - memory in use - the weights still to load) / bytes per block, at most what max_batch_size
     requests of max_seq_len need (default: that maximum); accepted and unused on the CPU"""
-    enable_prefix_caching: bool = False
-    """share the KV of common prompt prefixes between requests (vLLM's flag): not supported yet, only False"""
+    enable_prefix_caching: bool | None = None
+    """automatic prefix caching (vLLM's flag): a request whose prompt starts with full KV blocks an earlier request
+    prefilled reuses them and prefills only the rest; None = on where the method supports it (mac, full), True
+    where it does not is refused naming the method"""
     seed: int | None = None
     """seed of the per-request sampling seeds: a request that gives none gets the next draw of a generator seeded
     with it, so a run repeats exactly (default: a fresh random seed per request)"""
@@ -126,9 +128,6 @@ class EngineArgs:
         u = self.gpu_memory_utilization
         if u is not None and not (math.isfinite(u) and 0.0 < u <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be a float in (0, 1] or None, got {u!r}")
-        if self.enable_prefix_caching:
-            raise ValueError("enable_prefix_caching=True is not supported yet (no prefix sharing between requests; "
-                             "retrieval-completion's prefix_store persists whole prompts): pass False")
         if self.seed is not None and not 0 <= self.seed < 2 ** 63:
             raise ValueError(f"seed must be an int in [0, 2^63 - 1] or None, got {self.seed!r}")
         if self.prefix_store_max_bytes is not None and self.prefix_store_max_bytes < 1:
@@ -186,7 +185,8 @@ class EngineArgs:
                              fused_weights=self.fused_weights, quantization=self.quantization,
                              max_num_batched_tokens=self.max_num_batched_tokens,
                              max_prefill_tokens=self.max_prefill_tokens,
-                             tensor_parallel_size=self.tensor_parallel_size, tp_timeout_s=self.tp_timeout_s)
+                             tensor_parallel_size=self.tensor_parallel_size, tp_timeout_s=self.tp_timeout_s,
+                             enable_prefix_caching=self.enable_prefix_caching)
 
     def load_model(self, *, with_tokenizer: bool = True):
         """``(model, tokenizer)``: the built-in checkpoint or ``AutoModelForCausalLM`` / ``AutoTokenizer`` of

@@ -34,6 +34,7 @@ from macattn.models.transformers_api import CACHE_KWARG
 from macattn.runtime.block_manager import BlockManager
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.kv_cache import DecodeView, PagedKVCache, PrefillView
+from macattn.runtime.prefix_cache import cache_salt
 from macattn.runtime.sampling import SamplerVariant, SamplingBatch, SamplingRow, TokenCounts, sample_tokens
 from macattn.runtime.sequence import PrefillChunk, Sequence
 
@@ -77,8 +78,12 @@ class ModelExecutor:
         self.num_layers = hf.num_hidden_layers
         self.head_dim = self.method.dims.head_dim
         self.dtype = self.method.dims.dtype
-        self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.paged_kv = self.method.capabilities.paged_kv   # False: the method's state is the KV cache
+        self.prefix_caching = self._prefix_caching(config.enable_prefix_caching)
+        salt = None if not self.prefix_caching else cache_salt(
+            type(self.model).__name__, getattr(hf, "_name_or_path", ""), str(self.dtype), config.block_size,
+            config.fused_weights, config.quantization, self.method.name, repr(self.method.config))
+        self.blocks = BlockManager(config.num_blocks, config.block_size, salt=salt)
         self.kv = None if not self.paged_kv else PagedKVCache(num_layers=self.num_layers, num_blocks=config.num_blocks + gpu,
                                block_size=config.block_size, num_kv_heads=hf.num_key_value_heads,
                                head_dim=self.head_dim, dtype=self.dtype, device=self.device)
@@ -97,6 +102,25 @@ class ModelExecutor:
             from macattn.runtime.cuda_decode import CudaDecoder
 
             self.decoder = CudaDecoder(self, use_cuda_graphs=config.use_cuda_graphs)
+
+    def _prefix_caching(self, asked: bool | None) -> bool:
+        """Whether prefix caching runs (``RuntimeConfig.enable_prefix_caching``: None = where supported);
+        ``ValueError`` naming what refuses it when it is asked for."""
+        if asked is False:
+            return False
+        why = (f"method {self.method.name!r} does not support it (Capabilities.prefix_caching: its per-request "
+               "state cannot be rebuilt from cached KV blocks)" if not self.method.capabilities.prefix_caching
+               else f"method {self.method.name!r} keeps its own KV, not the paged pool" if not self.paged_kv
+               else "the model is FastMKA-patched (its session summary runs along the whole prompt)"
+               if self.mka_ctx is not None else None)
+        if why is not None and asked:
+            raise ValueError(f"enable_prefix_caching=True is not available: {why}; pass False or None")
+        return why is None
+
+    def prefix_recompute_tokens(self) -> int:
+        """Prompt tokens at the end a prefix-cache hit still prefills: at least 1 (the first token's logits),
+        at least the method's ``prefix_recompute_tokens()``."""
+        return max(1, self.method.prefix_recompute_tokens())
 
     @property
     def num_slots(self) -> int:

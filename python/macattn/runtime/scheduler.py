@@ -10,6 +10,11 @@ budget. Admission is FIFO and needs a free state slot (MAC rings + other per-slo
 acquire) and KV blocks for ``prompt + max_new_tokens``. Finishing releases both (the slot's states are
 reset again). A request sampled ``n`` times is admitted with its forks (``n`` slots; the forks' blocks
 beyond the shared full prompt blocks); once its prompt is prefilled, ``fork`` starts them.
+
+Prefix caching (``prefix_recompute`` set; ``runtime/block_manager.py``): at admission a request whose prompt
+packs and needs no ``prompt_logprobs`` takes the longest cached prefix of whole blocks that leaves at least
+``prefix_recompute`` prompt tokens to compute, and starts with ``num_prefilled`` there: its prefill is a
+continued chunk over the cached K/V. ``commit`` registers the full prompt blocks a prefill call wrote.
 """
 from __future__ import annotations
 
@@ -47,7 +52,7 @@ class Scheduler:
     def __init__(self, slots: SlotStates, blocks: BlockManager,
                  on_finish: Callable[[Sequence], None] | None = None, *,
                  max_num_batched_tokens: int | None = None, max_prefill_tokens: int | None = None,
-                 packs: Callable[[Sequence], bool] = lambda s: True) -> None:
+                 packs: Callable[[Sequence], bool] = lambda s: True, prefix_recompute: int | None = None) -> None:
         self.slots = slots
         self.blocks = blocks
         self.on_finish = on_finish
@@ -56,6 +61,10 @@ class Scheduler:
         if (self.max_prefill_tokens is None) != (max_num_batched_tokens is None):
             raise ValueError("max_prefill_tokens needs max_num_batched_tokens (both None: whole prompts)")
         self.packs = packs
+        if prefix_recompute is not None and (prefix_recompute < 1 or not blocks.caching):
+            raise ValueError(f"prefix_recompute must be None or an int >= 1 over a caching BlockManager, got "
+                             f"{prefix_recompute} (caching={blocks.caching})")
+        self.prefix_recompute = prefix_recompute
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -106,11 +115,19 @@ class Scheduler:
         """Move waiting requests (FIFO) into the running set while slots and blocks are free (a request
         with forks: one slot each, and their blocks; the forks wait for the parent's prompt)."""
         admitted = []
-        while (self.waiting and self.slots.num_free >= 1 + len(self.waiting[0].forks)
-               and self.blocks.can_allocate(self.waiting[0])):
-            seq = self.waiting.popleft()
+        while self.waiting and self.slots.num_free >= 1 + len(self.waiting[0].forks):
+            seq = self.waiting[0]
+            looks = self._looks_up(seq)
+            cached = self.blocks.lookup(seq, len(seq.prompt) - self.prefix_recompute) if looks else []
+            if not self.blocks.can_allocate(seq, cached):
+                break
+            self.waiting.popleft()
             seq.slot = self.slots.acquire()
-            self.blocks.allocate(seq)
+            self.blocks.allocate(seq, cached)
+            seq.num_prefilled = seq.num_cached_tokens = len(cached) * self.blocks.block_size
+            if looks:
+                self.blocks.stats.queries += len(seq.prompt)
+                self.blocks.stats.hits += seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             admitted.append(seq)
@@ -119,6 +136,19 @@ class Scheduler:
                 self.blocks.allocate_fork(seq, child)
                 child.status = SequenceStatus.FORK_PENDING
         return admitted
+
+    def _looks_up(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may start from cached blocks: caching on, a prompt prefilled in packed chunks (a
+        whole-prompt prefill writes all its KV itself) and no ``prompt_logprobs`` (every position's logits)."""
+        return self.prefix_recompute is not None and self.packs(seq) and seq.sampling.prompt_logprobs is None
+
+    def commit(self, chunk: PrefillChunk) -> None:
+        """After ``chunk`` ran: register the full prompt blocks it completed with the prefix cache (a packed
+        request still running whose ``num_prefilled`` advanced; nothing when caching is off)."""
+        seq = chunk.seq
+        if (self.prefix_recompute is not None and seq.status is SequenceStatus.RUNNING and self.packs(seq)
+                and seq.num_prefilled > chunk.start):
+            self.blocks.commit(seq, chunk.start, seq.num_prefilled)
 
     def fork(self, parent: Sequence, copy_kv: Callable[[Sequence, Sequence], None]) -> list[Sequence]:
         """Start ``parent``'s forks once its prompt is prefilled: each gets a copy of the parent's per-slot

@@ -49,6 +49,10 @@ class Sequence:
     # the attention method's figures of this request, set when it finishes (``request_metrics``)
     metrics: dict = field(default_factory=dict)
     num_prefilled: int = 0                    # prompt tokens whose KV is written (chunked prefill)
+    # prefix caching: the hash-chain keys of the full prompt blocks (``BlockManager.prompt_keys``), and the
+    # prompt tokens whose KV came from cached blocks at admission (not prefilled)
+    block_hashes: tuple[bytes, ...] | None = field(default=None, repr=False)
+    num_cached_tokens: int = 0
     # load the prompt's KV from the method's prefix store when there (and persist it when not)
     reuse_prefix: bool = False
     prompt_logprobs: list | None = field(default=None, repr=False)

@@ -263,6 +263,7 @@ class _Metrics:
         gauge("vllm:num_requests_running", "Requests in the engine's running set (holding a slot)",
               lambda: len(sched.running))
         gauge("vllm:num_requests_waiting", "Requests waiting for a slot", lambda: len(sched.waiting))
+        r.register(_PrefixCacheCounters(llm.engine, model_name))
         usage = lambda: (blocks.num_blocks - blocks.num_free) / blocks.num_blocks   # noqa: E731
         gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = 100 percent)", usage)
         gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (1 = 100 percent; vLLM's older name)", usage)
@@ -313,6 +314,25 @@ class _Metrics:
                           (self.v_e2e, "e2e_s")):
             if m.get(key) is not None:
                 hist.observe(m[key])
+
+
+class _PrefixCacheCounters:
+    """The engine's prefix-cache counters (``LLMEngine.prefix_cache_stats``, prompt tokens), read at scrape time:
+    ``macattn_prefix_cache_{queries,hits}_total`` and vLLM's ``vllm:prefix_cache_{queries,hits}_total``."""
+
+    def __init__(self, engine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        stats = self.engine.prefix_cache_stats
+        for name, value, doc in (("prefix_cache_queries", stats.queries, "Prompt tokens looked up in the prefix cache"),
+                                 ("prefix_cache_hits", stats.hits, "Prompt tokens served from the prefix cache")):
+            yield CounterMetricFamily(f"macattn_{name}", doc, value=value)
+            vllm = CounterMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+            vllm.add_metric([self.model_name], value)
+            yield vllm
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -690,14 +710,21 @@ def _choices(req: GenRequest, jobs: list[_Job]) -> int:
 
 
 def _usage(jobs: list[_Job], outs: list[RequestOutput], hide: bool) -> dict:
-    """Prompt tokens once per prompt (not per sample), generated tokens of every choice."""
+    """Prompt tokens once per prompt (not per sample), generated tokens of every choice;
+    ``prompt_tokens_details.cached_tokens``: the prompt tokens served from the prefix cache (once per prompt, from
+    the finished requests' ``num_cached_tokens``)."""
     seen, prompt = set(), 0
     for j in jobs:
         if j.prompt_index not in seen:
             seen.add(j.prompt_index)
             prompt += len(j.prompt_ids)
     gen = 0 if hide else sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": gen, "total_tokens": prompt + gen}
+    prompt_of = {j.handle.request_id: j.prompt_index for j in jobs}
+    cached: dict[int, int] = {}
+    for o in outs:
+        cached.setdefault(prompt_of.get(o.request_id), o.metrics.get("num_cached_tokens", 0))
+    return {"prompt_tokens": prompt, "completion_tokens": gen, "total_tokens": prompt + gen,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 def _head(endpoint: str, jobs: list[_Job], model: str, *, chunk: bool = False) -> dict:

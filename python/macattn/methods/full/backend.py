@@ -18,7 +18,8 @@ __all__ = ["FullAttention"]
 class FullAttention(AttentionMethod):
     name: ClassVar[str] = "full"
     config_type: ClassVar[type] = FullConfig
-    capabilities: ClassVar[Capabilities] = Capabilities(paged_kv=True, cuda_graphs=True, head_sharded=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(paged_kv=True, cuda_graphs=True, head_sharded=True,
+                                                        prefix_caching=True)
 
     def decode(self, module, layer, query, key, value, q_pre, attention_mask, scale, step, fallback, **kwargs):
         B = query.shape[0]

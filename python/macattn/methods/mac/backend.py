@@ -47,7 +47,7 @@ class MacAttention(AttentionMethod):
     config_type: ClassVar[type] = MacConfig
     capabilities: ClassVar[Capabilities] = Capabilities(
         paged_kv=True, cuda_graphs=True, onnx_export=True, tensorrt_plugin=True, needs_pre_rope_query=True,
-        miss_policies=ENGINE_MISS_POLICIES, head_sharded=True)
+        miss_policies=ENGINE_MISS_POLICIES, head_sharded=True, prefix_caching=True)
 
     def __init__(self, config: MacConfig, dims: ModelDims, *, num_slots: int,
                  query_dtype: torch.dtype | None = None) -> None:
@@ -94,6 +94,16 @@ class MacAttention(AttentionMethod):
 
     def slot_states(self):
         return {"mac": self.state}
+
+    def prefix_recompute_tokens(self) -> int:
+        """The largest ring window ``K`` over the layers where MAC is enabled (0 when it is enabled on none: a
+        layer with MAC off never matches against its ring). A prefill seeds a ring from the pre-RoPE queries
+        of the prompt's last ``K`` positions (``_seed``), which exist only while those positions run: so a
+        prefix-cache hit leaves at least ``K`` tokens to prefill. Its prefill is then a continued chunk over
+        the cached K/V writing every ring column: the ring equals a fresh prefill's (bit for bit on the CPU
+        reference when the rest runs as one chunk)."""
+        params = [self.config.for_layer(layer) for layer in range(self.dims.num_layers)]
+        return max((p.window for p in params if p.enabled), default=0)
 
     def request_metrics(self, slot: int) -> dict[str, float]:
         return self.state.diagnostics.request(slot) if self.collect_diagnostics else {}
