@@ -27,6 +27,7 @@ from macattn.models.builtin import build_builtin_model
 from macattn.models.tensor_parallel import ShardLayout
 from macattn.runtime import LLMEngine, ModelRunner, RuntimeConfig
 from macattn.runtime.tensor_parallel import TensorParallelError, TensorParallelGroup
+from macattn.runtime.tensor_parallel.comm import rank_function
 
 # divisible by 4 in heads, KV heads and MLP width; the vocabulary (250) is not: the last rank's rows are padding
 TP_SHAPES = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=8,
@@ -43,6 +44,7 @@ def _prompts():
     return [p % 250 for p in prompts(2, seed=7, lo=20, hi=40)]
 
 
+@rank_function
 def _start_recording(executor) -> None:
     """On one rank: keep every decode step's MAC match positions (``layer -> [B, Hq / N]``)."""
     log = executor.match_log = []
@@ -56,6 +58,7 @@ def _start_recording(executor) -> None:
     executor.decode_step = recording
 
 
+@rank_function
 def _recorded(executor) -> list:
     return executor.match_log
 
@@ -386,3 +389,33 @@ def test_the_groups_listen_on_the_loopback_interface_only():
     group = runner.engine.executor.group
     listening = [ip for pid in (os.getpid(), *(p.pid for p in group.procs)) for ip in _listening_addresses(pid)]
     assert listening and all(ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1") for ip in listening), listening
+
+
+def test_the_control_channel_resolves_only_what_the_group_exchanges():
+    """A control message naming anything outside the wire's allow-list (``os.system`` here) is refused before
+    it is called; the group's own messages (configs, tensors, registered functions) decode."""
+    import io
+    import os
+    import pickle
+
+    from macattn.runtime.tensor_parallel.comm import WireUnpickler
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, ("echo reached",)
+
+    with pytest.raises(pickle.UnpicklingError, match="carries no posix.system"):
+        WireUnpickler(io.BytesIO(pickle.dumps(Payload()))).load()
+    msg = (MacConfig(), RuntimeConfig(max_batch_size=2), torch.arange(4, dtype=torch.bfloat16), _recorded)
+    back = WireUnpickler(io.BytesIO(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))).load()
+    assert back[:2] == msg[:2] and torch.equal(back[2], msg[2]) and back[3] is _recorded
+
+
+def test_run_on_ranks_refuses_an_unregistered_function():
+    eng = LLMEngine(tp_model("llama"), MAC, RuntimeConfig(max_batch_size=2, max_seq_len=64, tensor_parallel_size=2))
+    try:
+        with pytest.raises(ValueError, match="fn must be registered with .*rank_function"):
+            eng.executor.run_on_ranks(len)
+        assert eng.executor.run_on_ranks(_start_recording) == [None, None]      # a registered one runs
+    finally:
+        eng.close()

@@ -13,8 +13,10 @@ attention needs no communication.
 
 Per engine operation rank 0 broadcasts the step — the op (build / prefill / decode / run), its
 requests (a request's prompt once; then per decode the token fed), and the slot resets and releases
-queued since the last one — over a gloo **control group**, then every rank runs the same executor
-call; the model's collectives run in the **model group** (NCCL on GPUs, gloo on the CPU). Rank 0
+queued since the last one — over a gloo **control group** (every socket on the loopback interface, the
+rendezvous a file in a private directory; a message is read back through an allow-list of what the group
+exchanges, ``comm.WireUnpickler``, and a function sent to ``run_on_ranks`` must be registered with
+``comm.rank_function``), then every rank runs the same executor call; the model's collectives run in the **model group** (NCCL on GPUs, gloo on the CPU). Rank 0
 samples from the gathered logits; the workers' sampled tokens are never used (each decode carries the
 token rank 0 appended).
 

@@ -1,17 +1,22 @@
 """The wire of a tensor-parallel group: the gloo **control channel** (pickled objects: rank 0's step
-broadcast, shards sent to one rank, results gathered from all), the **model group's collectives**
+broadcast, shards sent to one rank, results gathered from all; read back through an allow-list of the
+classes and functions the group exchanges, ``WireUnpickler``, so a message can name nothing else), the **model group's collectives**
 (``macattn.models.tensor_parallel.Collectives`` over gloo or NCCL), how every rank opens both process
 groups (every socket on the loopback interface), and the exit codes the ranks agree on (package doc)."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import enum
+import io
 import pickle
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ProcessGroupCollectives", "ControlChannel", "process_groups", "abort_quietly", "EXIT_OWN_ERROR",
-           "EXIT_PEER_GONE", "LOOPBACK", "open_store"]
+__all__ = ["ProcessGroupCollectives", "ControlChannel", "WireUnpickler", "rank_function", "rank_functions",
+           "process_groups", "abort_quietly",
+           "EXIT_OWN_ERROR", "EXIT_PEER_GONE", "LOOPBACK", "open_store"]
 
 LOOPBACK = "127.0.0.1"                          # the address every gloo socket of a group listens on
 _CONTROL_IDLE = datetime.timedelta(days=365)   # a worker waits for the next step as long as rank 0 lives
@@ -38,11 +43,76 @@ class ProcessGroupCollectives:
         return out.view(self.size, -1, n).permute(1, 0, 2).reshape(*t.shape[:-1], self.size * n)
 
 
-class ControlChannel:
-    """Pickled objects over the gloo control group: rank 0 broadcasts, sends shards, gathers results."""
+# What a control message may name (module, name): the containers and tensor rebuilders pickle writes; beside
+# them the functions registered with ``rank_function``, any dataclass or enum of the package and
+# transformers' model configs
+_WIRE_GLOBALS = frozenset({
+    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex"),
+    ("builtins", "bytearray"), ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_parameter"), ("torch._tensor", "_rebuild_from_type_v2"),
+    ("torch.storage", "_load_from_bytes"), ("torch", "Size"), ("torch", "device"),
+})
+_WIRE_ROOTS = ("builtins", "collections", "torch", "macattn", "transformers")
+_RANK_FUNCTIONS: set[tuple[str, str]] = set()
 
-    def __init__(self, pg, rank: int, size: int) -> None:
+
+def rank_function(fn):
+    """Register ``fn`` (module level) as one ``TensorParallelExecutor.run_on_ranks`` may send; returns it.
+    Workers learn the registrations made before their group was spawned, and the package's own as they
+    import it."""
+    _RANK_FUNCTIONS.add((fn.__module__, fn.__qualname__))
+    return fn
+
+
+def rank_functions() -> frozenset:
+    """The registered ``(module, name)`` pairs (what a group hands its workers at spawn)."""
+    return frozenset(_RANK_FUNCTIONS)
+
+
+class WireUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` that resolves only what the group exchanges (``_WIRE_GLOBALS``, the functions
+    registered with ``rank_function`` here or in ``extra``, torch's storage and dtype objects, the package's
+    dataclasses and enums, transformers' ``PretrainedConfig`` classes); any other global — ``os.system``, a
+    module outside those roots — raises ``pickle.UnpicklingError`` before it is imported or called."""
+
+    def __init__(self, file, extra: frozenset = frozenset()) -> None:
+        super().__init__(file)
+        self.extra = extra
+
+    def find_class(self, module: str, name: str):
+        registered = (module, name) in _RANK_FUNCTIONS or (module, name) in self.extra
+        if registered or module.split(".")[0] in _WIRE_ROOTS:
+            obj = super().find_class(module, name)
+            if registered or (module, name) in _WIRE_GLOBALS or (module, name) in _RANK_FUNCTIONS \
+                    or _wire_type(module, obj):
+                return obj
+        raise pickle.UnpicklingError(f"the tensor-parallel control channel carries no {module}.{name}")
+
+
+def _wire_type(module: str, obj) -> bool:
+    if module == "torch":
+        return isinstance(obj, torch.dtype) or (isinstance(obj, type) and issubclass(obj, torch.storage._StorageBase))
+    if module.startswith("torch.storage"):
+        return isinstance(obj, type) and issubclass(obj, (torch.storage._StorageBase, torch.storage.TypedStorage))
+    if module.startswith("macattn."):
+        return isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
+    if module.startswith("transformers."):
+        from transformers import PretrainedConfig
+
+        return isinstance(obj, type) and issubclass(obj, PretrainedConfig)
+    return False
+
+
+class ControlChannel:
+    """Pickled objects over the gloo control group (read back by ``WireUnpickler``): rank 0 broadcasts, sends
+    shards, gathers results."""
+
+    def __init__(self, pg, rank: int, size: int, rank_functions: frozenset = frozenset()) -> None:
         self.pg, self.rank, self.size = pg, rank, size
+        self.rank_functions = rank_functions
+
+    def _decode(self, data: bytes):
+        return WireUnpickler(io.BytesIO(data), self.rank_functions).load()
 
     @staticmethod
     def _encode(obj) -> torch.Tensor:
@@ -67,7 +137,7 @@ class ControlChannel:
         if self.rank == 0:
             return obj
         payload = head[8:8 + n].numpy().tobytes() + (rest.numpy().tobytes() if n > _INLINE else b"")
-        return pickle.loads(payload)
+        return self._decode(payload)
 
     def send(self, obj, dst: int) -> None:
         data = self._encode(obj)
@@ -79,7 +149,7 @@ class ControlChannel:
         self.pg.recv([n], src, 0).wait()
         data = torch.empty(int(n), dtype=torch.uint8)
         self.pg.recv([data], src, 1).wait()
-        return pickle.loads(data.numpy().tobytes())
+        return self._decode(data.numpy().tobytes())
 
     def gather(self, obj) -> list:
         """Every rank's ``obj``, in rank order (on every rank)."""
@@ -91,7 +161,7 @@ class ControlChannel:
         padded[:data.numel()] = data
         outs = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
         self.pg.allgather([outs], [padded]).wait()
-        return [pickle.loads(o[:int(s)].numpy().tobytes()) for o, s in zip(outs, sizes)]
+        return [self._decode(o[:int(s)].numpy().tobytes()) for o, s in zip(outs, sizes)]
 
 
 def open_store(path: str, size: int, timeout_s: float):

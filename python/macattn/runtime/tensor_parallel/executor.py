@@ -14,6 +14,7 @@ from macattn.models.tensor_parallel import ShardLayout, shard_state_dict
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.executor import ModelExecutor
 from macattn.runtime.sequence import PrefillChunk, Sequence
+from macattn.runtime.tensor_parallel.comm import rank_function, rank_functions
 from macattn.runtime.tensor_parallel.group import TensorParallelGroup
 from macattn.runtime.tensor_parallel.worker import build_rank
 
@@ -165,8 +166,13 @@ class TensorParallelExecutor:
         return self.local.sample(seqs, logits)
 
     def run_on_ranks(self, fn: Callable, *args) -> list:
-        """``[fn(executor_r, *args) for every rank r]``: ``fn`` (a module-level function: it is pickled by
-        name) runs on every rank with that rank's ``ModelExecutor``; results come back in rank order."""
+        """``[fn(executor_r, *args) for every rank r]``: ``fn`` (a module-level function registered with
+        ``comm.rank_function`` before the group started: it is pickled by name, and workers resolve only those)
+        runs on every rank with that rank's ``ModelExecutor``; results come back in rank order."""
+        if (fn.__module__, fn.__qualname__) not in rank_functions():
+            raise ValueError(f"fn must be registered with macattn.runtime.tensor_parallel.comm.rank_function "
+                             f"(workers resolve no other function), got {fn.__module__}.{fn.__qualname__}")
+
         def local():
             return self.group.control.gather(fn(self.local, *args))
 
@@ -182,6 +188,7 @@ class TensorParallelExecutor:
         self._finalizer()
 
 
+@rank_function
 def _request_metrics_part(executor: ModelExecutor, slot: int):
     """A rank's share of the figures of the request in ``slot`` (``AttentionMethod.request_metrics_part``)."""
     return executor.method.request_metrics_part(slot)

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 from macattn.runtime.tensor_parallel.comm import (EXIT_PEER_GONE, ControlChannel, ProcessGroupCollectives,
-                                                  abort_quietly, open_store, process_groups)
+                                                  abort_quietly, open_store, process_groups, rank_functions)
 from macattn.runtime.tensor_parallel.worker import worker_main
 
 __all__ = ["TensorParallelError", "TensorParallelGroup", "shutdown_all", "EXIT_WEDGED"]
@@ -57,7 +57,8 @@ class TensorParallelGroup:
         try:
             for r in range(1, size):
                 p = ctx.Process(target=worker_main, name=f"macattn-tp-rank{r}", daemon=True,
-                                args=(r, size, store_path, devices[r], self.backend, timeout_s, os.getpid(), threads))
+                                args=(r, size, store_path, devices[r], self.backend, timeout_s, os.getpid(), threads,
+                                      rank_functions()))
                 p.start()
                 self.procs.append(p)
             ctl, model = process_groups(store, 0, size, self.backend, timeout_s)

@@ -89,7 +89,7 @@ class _WorkerEngine:
 
 
 def worker_main(rank: int, size: int, store_path: str, device: str, backend: str, timeout_s: float, parent_pid: int,
-                 threads: int) -> None:
+                 threads: int, rank_functions: frozenset = frozenset()) -> None:
     _die_with_parent(parent_pid)
     torch.set_num_threads(threads)
     if device.startswith("cuda"):
@@ -99,7 +99,7 @@ def worker_main(rank: int, size: int, store_path: str, device: str, backend: str
         ctl, model = process_groups(store, rank, size, backend, timeout_s)
     except Exception as exc:
         _exit(rank, "could not join the group", exc, EXIT_PEER_GONE)
-    control, comm = ControlChannel(ctl, rank, size), ProcessGroupCollectives(model, rank, size)
+    control, comm = ControlChannel(ctl, rank, size, rank_functions), ProcessGroupCollectives(model, rank, size)
     engines: dict[int, _WorkerEngine] = {}
     while True:
         try:
