@@ -41,6 +41,7 @@ from macattn.models.attention import unbind  # noqa: E402
 from macattn.runtime.config import RuntimeConfig  # noqa: E402
 from macattn.runtime.engine import LLMEngine  # noqa: E402
 from macattn.runtime.tensor_parallel import RandomWeights  # noqa: E402
+from macattn.runtime.tensor_parallel.comm import rank_function  # noqa: E402
 
 LLAMA_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                  num_attention_heads=64, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
@@ -51,6 +52,7 @@ register(FlashInferAttention)   # at import: spawned ranks import this script to
 
 
 # --- per-rank functions (run on every rank through TensorParallelExecutor.run_on_ranks) --------------
+@rank_function
 def fill_kv(executor, seed: int) -> None:
     """Random K/V in the rank's whole paged pool."""
     gen = torch.Generator(device=executor.kv.k[0].device).manual_seed(seed)
@@ -58,6 +60,7 @@ def fill_kv(executor, seed: int) -> None:
         t.normal_(generator=gen)
 
 
+@rank_function
 def seed_layer_all_hit(executor, seqs, layer: int, gap: int) -> None:
     """One eager step recording ``layer``'s pre-RoPE queries, written into the rank's rings at ``m - gap``
     (every head of every request then hits in that layer)."""
@@ -89,6 +92,7 @@ def seed_layer_all_hit(executor, seqs, layer: int, gap: int) -> None:
         pos[s.slot, (m - gap) % K] = m - gap
 
 
+@rank_function
 def plan_flashinfer(executor, seqs) -> None:
     """The rank's FlashInfer decode plan over its pool (its heads), before the graphs are captured."""
     import flashinfer
@@ -96,6 +100,7 @@ def plan_flashinfer(executor, seqs) -> None:
     executor.method.plan(flashinfer, seqs, executor.config.block_size)
 
 
+@rank_function
 def hit_counts(executor) -> list[int]:
     """``[hits, heads x rows x layers]`` of the rank's latest decode step."""
     mp = list(getattr(executor.method, "last_match_pos", {}).values())
