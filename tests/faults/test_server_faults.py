@@ -266,3 +266,49 @@ def test_a_request_past_the_sigterm_grace_period_gets_a_json_503():
     finally:
         srv.should_exit = True
         llm.shutdown()
+
+
+def test_a_corrupt_prefix_store_entry_is_quarantined_and_recomputed_beside_streaming_neighbours(tmp_path):
+    """A stored prefix with a flipped byte: the request that asks for it is prefilled from scratch (a warning,
+    the quarantine counter on /metrics, the same text as the first run), the entry moves to ``.quarantine/``,
+    and streaming neighbours get their solo text."""
+    import torch
+
+    from macattn.methods.completion.config import CompletionConfig
+    from macattn.methods.completion.offload import OffloadConfig
+
+    cfg = CompletionConfig(n_sink=4, n_tail=8, top_k=16, feature_dim=16, hidden=32, selector="quest", page_size=8)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with LLM("builtin", method="completion", kv_offload="host", completion=cfg, max_batch_size=5,
+                 max_seq_len=128, offload=OffloadConfig(hot_pages=4, max_prefill=100, max_generated=8,
+                                                        prefetch="none"), prefix_store=tmp_path) as llm:
+            doc = list(range(5, 75))
+            sp = SamplingParams(max_tokens=6, temperature=0)
+            [first] = llm.generate(doc, sp, reuse_prefix=True)            # prefilled, then persisted
+            [entry] = sorted(tmp_path.glob("*.safetensors"))
+            data = bytearray(entry.read_bytes())
+            data[-5] ^= 0xFF
+            entry.write_bytes(bytes(data))
+            solo = {p: o.outputs[0].text for p, o in zip(PROMPTS[:4], llm.generate(PROMPTS[:4], sp))}
+
+            async def run(url):
+                async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+                    async def one(prompt, **extra):
+                        r = await c.post("/v1/completions", json={"model": "builtin", "prompt": prompt,
+                                                                  "max_tokens": 6, "temperature": 0, **extra})
+                        assert r.status_code == 200, r.text
+                        return r.json()["choices"][0]["text"]
+
+                    return await asyncio.gather(one(doc, reuse_prefix=True), *(one(p) for p in PROMPTS[:4]))
+
+            with pytest.warns(RuntimeWarning, match="quarantined"), serving(llm) as url:
+                texts = asyncio.run(run(url))
+                metrics = _metrics(url)
+            assert texts[0] == first.outputs[0].text
+            assert dict(zip(PROMPTS[:4], texts[1:])) == solo
+            assert metrics["macattn_prefix_store_quarantined_total"] == 1
+            assert len(list((tmp_path / ".quarantine").iterdir())) == 1
+    finally:
+        torch.set_num_threads(threads)

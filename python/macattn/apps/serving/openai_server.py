@@ -264,6 +264,7 @@ class _Metrics:
               lambda: len(sched.running))
         gauge("vllm:num_requests_waiting", "Requests waiting for a slot", lambda: len(sched.waiting))
         r.register(_PrefixCacheCounters(llm.engine, model_name))
+        r.register(_PrefixStoreCounters(llm.engine))
         usage = lambda: (blocks.num_blocks - blocks.num_free) / blocks.num_blocks   # noqa: E731
         gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = 100 percent)", usage)
         gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (1 = 100 percent; vLLM's older name)", usage)
@@ -333,6 +334,29 @@ class _PrefixCacheCounters:
             vllm = CounterMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
             vllm.add_metric([self.model_name], value)
             yield vllm
+
+
+class _PrefixStoreCounters:
+    """The persisted prefix store's counters (``ChunkKVStore``: hits, misses, entries quarantined as corrupt or
+    unreadable, writes dropped), read at scrape time as ``macattn_prefix_store_*_total``; nothing when the
+    engine's method keeps no store (``prefix_store`` unset)."""
+
+    FIELDS = (("hits", "Prompts whose KV was loaded from the prefix store"),
+              ("misses", "reuse_prefix prompts the prefix store did not hold"),
+              ("quarantined", "Prefix-store entries that failed a check, moved aside and recomputed"),
+              ("write_failures", "Prefix-store writes dropped (a full disk, a failed write)"))
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        store = getattr(self.engine.method, "store", None)
+        if store is None:
+            return
+        for name, doc in self.FIELDS:
+            yield CounterMetricFamily(f"macattn_prefix_store_{name}", doc, value=getattr(store, name))
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
