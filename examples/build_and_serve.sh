@@ -21,9 +21,9 @@ with serve(f"{work}/repo", f"{work}/server") as running:
     client = grpcclient.InferenceServerClient(running.grpc_url)
     responses = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put(error or result))
-    inputs = [grpcclient.InferInput("input_ids", [12], "INT64"), grpcclient.InferInput("max_new_tokens", [1], "INT32")]
+    inputs = [grpcclient.InferInput("input_ids", [12], "INT64"), grpcclient.InferInput("max_new_tokens", [1], "INT64")]
     inputs[0].set_data_from_numpy(np.arange(3, 15, dtype=np.int64))
-    inputs[1].set_data_from_numpy(np.array([8], dtype=np.int32))
+    inputs[1].set_data_from_numpy(np.array([8], dtype=np.int64))
     client.async_stream_infer("macattn", inputs, request_id="0", enable_empty_final_response=True)
     tokens = []
     while True:
