@@ -1,7 +1,7 @@
 """Why retrieval-completion loses to Top-k alone (issue 40, item 1): the completion term's error per layer and
 head against the exact contribution of the unselected middle, split into its normaliser and its numerator.
 
-    python benchmarks/eval_completion_term.py                  # CPU, ~6 min on 2 cores
+    python benchmarks/eval_completion_term.py                  # CPU, ~15 min on 2 shared cores
     python benchmarks/eval_completion_term.py --dry-run        # random tiny model, seconds
 
 On the built-in trained checkpoint, the post-RoPE q/k/v of ``--samples`` RULER-style prompts of ``--length``
