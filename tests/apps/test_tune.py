@@ -201,3 +201,33 @@ def test_a_tuned_file_reaches_the_openai_server_and_the_llm_api(tmp_path):
     bad = build_parser().parse_args(["serve", "--model", "builtin", "--no-mac", "--per-layer", "x.json"])
     with pytest.raises(ValueError, match="at most one of --no-mac and --mac / --per-layer"):
         _engine_args(bad)
+
+
+def test_completion_gate_keeps_the_term_where_it_lowers_the_error_and_the_cli_writes_it(tmp_path, monkeypatch):
+    """``tune_completion_gate``: a layer's term is on iff its calibration error with completion is below Top-k
+    alone's at the equal-cost Top-k; held-out stats for the three variants; ``macattn tune --completion`` writes a
+    gate file ``CompletionConfig`` reads."""
+    import macattn.evaluation.harness as harness
+    from macattn.apps.tune import tune_completion_gate
+    from macattn.methods.completion.config import CompletionConfig
+    from macattn.methods.completion.feature_maps import maps_for_model, save_feature_maps
+
+    model = _small_model()
+    maps = maps_for_model(model, feature_dim=8, hidden=16)
+    prompts = calibration_prompts(model, TuneSettings(lengths=(256,), n=1, gen=3), ENC, HAY, progress=False)
+    gate, rep = tune_completion_gate(model, prompts, maps=maps, budget=0.3, n_sink=4, n_tail=8,
+                                     held_out=prompts, progress=False)
+    cal = rep["calibration"]
+    assert list(gate.layers) == [c < t for c, t in zip(cal["completion"]["error"], cal["topk_alone"]["error"])]
+    assert rep["top_k_alone"] > rep["top_k_completion"] and gate.gen_len == 3
+    assert set(rep["held_out"]) >= {"completion", "topk_alone", "gated"}
+    with pytest.raises(ValueError, match="budget"):
+        tune_completion_gate(model, prompts, maps=maps, budget=0.001, n_sink=4, n_tail=8, progress=False)
+    save_feature_maps(maps, tmp_path / "maps")
+    monkeypatch.setattr(harness, "load_eval_model", lambda which, **kw: (_small_model(), ENC, HAY, [], "test"))
+    out, report = tmp_path / "gate.json", tmp_path / "gate_report.json"
+    a = build_parser().parse_args(["tune", "--completion", "--feature-maps", str(tmp_path / "maps"), "--budget", "0.3",
+                                   "--n-sink", "4", "--n-tail", "8", "--lengths", "256", "--n", "1", "--gen", "3",
+                                   "--out", str(out), "--report", str(report)])
+    assert a.func(a) == 0
+    assert list(CompletionConfig(gate=out).gate.layers) == json.loads(report.read_text())["gate"]

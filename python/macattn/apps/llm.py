@@ -370,7 +370,8 @@ class LLM:
     ``tensor_parallel_size``, ``trust_remote_code``, ``gpu_memory_utilization`` (on CUDA: the KV pool sized
     from free memory; unused on the CPU), ``enable_prefix_caching`` (None: on where the method supports it),
     ``seed`` (the seeds of requests that give none), retrieval-completion's ``completion_maps`` /
-    ``kv_offload`` / ``prefix_store``.
+    ``completion_gate`` (a per-layer gate file from ``macattn tune --completion``) / ``kv_offload`` /
+    ``prefix_store``.
     vLLM / TensorRT-LLM spellings: ``max_model_len`` = ``max_seq_len``, ``max_num_seqs`` = ``max_batch_size``,
     ``max_num_tokens`` = ``max_num_batched_tokens``, ``enforce_eager=True`` = ``use_cuda_graphs=False``.
     ``completion`` (a ``CompletionConfig``) and ``offload`` (an ``OffloadConfig``) are retrieval-completion's

@@ -26,6 +26,13 @@ is written. Every explored point is in the report and on the frontier PNG (``plo
 The written file is a ``MacConfig`` JSON, what every surface takes: ``macattn build / generate
 --per-layer``, ``LLM(..., mac=FILE)``, ``macattn serve`` (through the engine dir or ``--per-layer`` of
 ``macattn triton-repo``), ``MacConfig.load``.
+
+Retrieval-completion's gate (``--completion``, ``tune_completion_gate``): at a KV-read budget ``β`` (share of
+the prompt in token-equivalents per step), completion with the Top-k it buys and Top-k alone with the larger
+Top-k it buys run on the calibration prompts; a layer keeps the completion term iff its mean attention-output
+error is lower with it. The gate (``CompletionGate`` JSON) is then measured against both on held-out prompts;
+``CompletionConfig(gate=FILE)``, ``EngineArgs.completion_gate`` / ``--completion-gate`` and
+``LLM(..., completion_gate=FILE)`` read it.
 """
 from __future__ import annotations
 
@@ -43,8 +50,8 @@ from macattn.core.validation import check_choice, check_float
 from macattn.methods.mac.config import MacConfig
 from macattn.models.generation import greedy_decode
 
-__all__ = ["TuneSettings", "calibration_prompts", "measure", "measure_many", "tune", "tune_for_agreement",
-           "plot_frontier", "run_command"]
+__all__ = ["TuneSettings", "calibration_prompts", "measure", "measure_many", "measure_methods", "tune",
+           "tune_for_agreement", "completion_budget_ks", "tune_completion_gate", "plot_frontier", "run_command"]
 
 _HELD_OUT_OFFSET = 104729   # sample-seed offset of the held-out prompts (disjoint from calibration's)
 
@@ -136,11 +143,19 @@ def calibration_prompts(model, settings: TuneSettings, encode, haystack_ids, bos
 def measure_many(model, configs: list, prompts: list, *, progress: bool = False) -> list[dict]:
     """``measure`` of each of ``configs`` over ``prompts``, one prefill per prompt (``evaluation.methods.Prefill``
     replayed into every config: same tokens and statistics as separate runs)."""
-    from macattn.evaluation.methods import Mac, Prefill
+    from macattn.evaluation.methods import Mac
 
     gen = max(len(r) for _, r in prompts)
-    methods = [Mac(c, gen_len=gen) for c in configs]
-    agree = [0] * len(configs)
+    return measure_methods(model, [Mac(c, gen_len=gen) for c in configs], prompts, progress=progress)
+
+
+def measure_methods(model, methods: list, prompts: list, *, progress: bool = False) -> list[dict]:
+    """Per ``evaluation.methods.EvalMethod`` over ``prompts`` (``[(prompt, full tokens)]``, one prefill each,
+    teacher-forced on the full tokens): per-layer mean relative error, KV skip and hit rate, the KV read
+    fraction, greedy agreement with full attention and layer means."""
+    from macattn.evaluation.methods import Prefill
+
+    agree = [0] * len(methods)
     steps = 0
     for prompt, ref in tqdm(prompts, desc="measure", disable=not progress, leave=False):
         pre = Prefill.of(model, prompt)
@@ -314,6 +329,63 @@ def tune_for_agreement(model, settings: TuneSettings, prompts: list, held_out: l
     return configs[chosen], report
 
 
+def completion_budget_ks(budget: float, prompt_len: int, *, n_sink: int, n_tail: int, gen_len: int,
+                         feature_dim: int, head_dim: int) -> tuple[int, int]:
+    """``(Top-k with completion, Top-k alone)`` that ``budget · prompt_len`` token-equivalents per step buy
+    (``reference.budget_top_k``; anchors: sink + tail + half the generated tokens, the mean over the steps).
+    ``ValueError`` when the anchors alone exceed the budget."""
+    from macattn.methods.completion.reference import budget_top_k
+
+    check_float("budget", budget, 0.0, 1.0, lo_open=True)
+    kw = dict(anchors=n_sink + n_tail + gen_len // 2, feature_dim=feature_dim, head_dim=head_dim, gen_len=gen_len,
+              mid_len=prompt_len)
+    kc, kt = (budget_top_k(budget * prompt_len, completion=c, **kw) for c in (True, False))
+    if kc is None or kt is None:
+        raise ValueError(f"budget={budget} of {prompt_len} tokens does not cover the anchors (sink {n_sink}, "
+                         f"tail {n_tail}, generated) and the completion cache: raise it")
+    return kc, kt
+
+
+def tune_completion_gate(model, prompts: list, *, maps, budget: float, n_sink: int, n_tail: int,
+                         selector=None, held_out: list | None = None, progress: bool = True):
+    """Retrieval-completion's per-layer gate at ``budget`` (module docstring): ``(CompletionGate, report)``.
+
+    prompts / held_out: ``[(prompt [1, ~N], full tokens)]`` of one nominal length (``calibration_prompts``; the
+    budget's Top-k is that of the longest, ``N``); maps:
+    the ``CompletionFeatureMaps``; selector: the Top-k selector (None: exhaustive). The report holds the Top-k
+    of each variant, the per-layer errors of both on the calibration prompts, and on ``held_out`` the three
+    variants' agreement, errors and KV read fractions."""
+    from macattn.evaluation.methods import RetrievalCompletion
+    from macattn.methods.completion.completion_on_miss import MissCompletionConfig
+    from macattn.methods.completion.gate import CompletionGate
+
+    if not prompts:
+        raise ValueError("prompts must hold at least one (prompt, full tokens) pair")
+    N, gen = max(int(p.shape[1]) for p, _ in prompts), max(len(r) for _, r in prompts)
+    spec = maps.spec
+    kc, kt = completion_budget_ks(budget, N, n_sink=n_sink, n_tail=n_tail, gen_len=gen,
+                                  feature_dim=spec.feature_dim, head_dim=spec.head_dim)
+
+    def variant(k, completion, gate=None):
+        cfg = MissCompletionConfig(n_sink=n_sink, n_tail=n_tail, top_k=k, feature_dim=spec.feature_dim)
+        return RetrievalCompletion(cfg, maps=maps, completion=completion, gen_len=gen, selector=selector, gate=gate)
+
+    comp, alone = measure_methods(model, [variant(kc, True), variant(kt, False)], prompts, progress=progress)
+    gate = CompletionGate(tuple(bool(c < t) for c, t in zip(comp["error"], alone["error"])), gen_len=gen,
+                          tuned_for=dict(budget=budget, prompt_len=N, n_sink=n_sink, n_tail=n_tail,
+                                         feature_dim=spec.feature_dim, top_k_completion=kc, top_k_alone=kt,
+                                         selector="exhaustive" if selector is None else type(selector).__name__))
+    report = dict(budget=budget, prompt_len=N, gen_len=gen, top_k_completion=kc, top_k_alone=kt,
+                  gate=list(gate.layers), calibration=dict(completion=comp, topk_alone=alone),
+                  calibration_prompts=len(prompts))
+    if held_out:
+        names = ("completion", "topk_alone", "gated")
+        stats = measure_methods(model, [variant(kc, True), variant(kt, False), variant(kc, True, gate)], held_out,
+                                progress=progress)
+        report["held_out"] = dict(zip(names, stats), prompts=len(held_out))
+    return gate, report
+
+
 def plot_frontier(report: dict, path: str | Path) -> Path:
     """PNG of the explored skip / agreement frontier: every point on the calibration prompts (by kind),
     the held-out checks, the target and the chosen config."""
@@ -355,6 +427,8 @@ def run_command(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.completion:
+        return _run_completion(args)
     budget = args.error_budget
     settings = TuneSettings(taus=parse_csv(args.taus, float), windows=parse_csv(args.windows, int),
                             bands=parse_csv(args.bands, int),
@@ -410,3 +484,43 @@ def run_command(args) -> int:
           + f" (use with: macattn build --per-layer {args.out}, macattn generate --per-layer {args.out}, "
             f"LLM(..., mac='{args.out}'))")
     return 0
+
+
+def _run_completion(args) -> int:
+    """``macattn tune --completion``: the gate at ``--budget`` for ``--feature-maps``, written to ``--out``."""
+    from macattn.evaluation.harness import load_eval_model, parse_csv
+    from macattn.methods.completion.feature_maps import load_feature_maps
+    from macattn.methods.completion.reference import PageSummaryTopK
+
+    if args.feature_maps is None:
+        raise ValueError("--completion needs --feature-maps DIR (the distilled maps the gate is chosen for)")
+    settings = TuneSettings(lengths=parse_csv(args.lengths, int), n=args.n, gen=args.gen, seed=args.seed)
+    model, encode, hay, bos, hay_desc = load_eval_model(args.model, seed=args.seed, haystack=args.haystack,
+                                                        device=args.device)
+    prompts = calibration_prompts(model, settings, encode, hay, bos)
+    held = calibration_prompts(model, settings, encode, hay, bos, held_out=True)
+    selector = PageSummaryTopK(args.page_size, args.page_overfetch) if args.selector == "pages" else None
+    gate, report = tune_completion_gate(model, prompts, maps=load_feature_maps(args.feature_maps),
+                                        budget=args.budget, n_sink=args.n_sink, n_tail=args.n_tail,
+                                        selector=selector, held_out=held)
+    report.update(model=args.model, haystack=hay_desc, feature_maps=args.feature_maps, selector=args.selector)
+    gate.save(args.out)
+    if args.report:
+        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.report).write_text(json.dumps(report, indent=1) + "\n")
+    cal = report["calibration"]
+    print(f"budget {args.budget}: Top-k {report['top_k_completion']} with completion, {report['top_k_alone']} alone")
+    print(f"{'layer':<6}{'err completion':>15}{'err Top-k alone':>16}  term")
+    for i, on in enumerate(gate.layers):
+        print(f"{i:<6}{cal['completion']['error'][i]:>15.4f}{cal['topk_alone']['error'][i]:>16.4f}  "
+              f"{'on' if on else 'off'}")
+    h = report["held_out"]
+    print(f"{'held-out':<12}{'agree':>8}{'mean err':>10}{'KV read':>9}")
+    for name in ("topk_alone", "completion", "gated"):
+        print(f"{name:<12}{h[name]['greedy_agreement']:>8.3f}{h[name]['mean_error']:>10.4f}"
+              f"{h[name]['kv_read_fraction']:>9.4f}")
+    print(f"wrote {args.out}" + (f", {args.report}" if args.report else "")
+          + f" (use with: CompletionConfig(gate='{args.out}'), LLM(..., completion_gate='{args.out}'), "
+            f"macattn serve --completion-gate {args.out})")
+    return 0
+

@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 from macattn.methods.a3.config import A3Config, FusionMethod
-from macattn.methods.completion.reference import build_completion_cache_batched, hybrid_decode_step, partition, token_equivalents
+from macattn.methods.completion.gate import CompletionGate
+from macattn.methods.completion.reference import (build_completion_cache_batched, hybrid_decode_step, layer_top_k, partition,
+                                                  token_equivalents)
 from macattn.methods.mac.config import MacConfig
 from macattn.core.attention import check_no_padding, full_attention_reference
 from macattn.methods.base import AttentionMethod, Capabilities, ModelDims, StepContext
@@ -298,12 +300,17 @@ class RetrievalCompletion(EvalMethod):
     """docs/spec.md §3 on every decode step: sink + tail + Top-k(mid) + generated exact, the rest of the
     prefill's mid region completed through ``maps`` (default: untrained random features);
     ``completion=False`` gives the selection-only baseline; ``selector`` picks the Top-k (None: the
-    exhaustive one; e.g. ``PageSummaryTopK``, the page selector)."""
+    exhaustive one; e.g. ``PageSummaryTopK``, the page selector); ``gate``: a ``CompletionGate`` (a layer it
+    turns off runs Top-k alone at the equal-cost Top-k, ``reference.layer_top_k``)."""
 
     def __init__(self, config: MissCompletionConfig | None = None, *, maps: CompletionFeatureMaps | None = None,
-                 completion: bool = True, gen_len: int = 64, name: str | None = None, selector=None) -> None:
+                 completion: bool = True, gen_len: int = 64, name: str | None = None, selector=None,
+                 gate: CompletionGate | None = None) -> None:
+        if gate is not None and not isinstance(gate, CompletionGate):
+            raise TypeError(f"gate must be a CompletionGate or None, got {type(gate).__name__}")
         self.config = config or MissCompletionConfig()
         self.maps = maps
+        self.gate = gate
         self.use_completion = completion
         self.gen_len = gen_len
         self.selector = selector
@@ -326,9 +333,12 @@ class RetrievalCompletion(EvalMethod):
         n, lpk, a, b, shift = self.caches[layer]
         pad = key.shape[2] - lpk.shape[2]
         lpk_all = torch.cat([lpk, lpk.new_zeros(*lpk.shape[:2], pad, lpk.shape[3])], dim=2)  # generated rows unread
-        comp = (self.maps.log_phi_q(layer, q).float(), lpk_all, a, b, shift) if self.use_completion else None
+        top_k, on = layer_top_k(self.gate, layer, c.top_k, feature_dim=self.maps.spec.feature_dim,
+                                head_dim=q.shape[-1])
+        on = on and self.use_completion
+        comp = (self.maps.log_phi_q(layer, q).float(), lpk_all, a, b, shift) if on else None
         out, parts = hybrid_decode_step(q, key, value, positions + 1, n, n_sink=c.n_sink, n_tail=c.n_tail,
-                                        top_k=c.top_k, scale=scale, completion=comp, return_parts=True,
+                                        top_k=top_k, scale=scale, completion=comp, return_parts=True,
                                         selector=self.selector)
         read = torch.empty(q.shape[:2], dtype=torch.float64)
         for i in range(q.shape[0]):
@@ -338,7 +348,7 @@ class RetrievalCompletion(EvalMethod):
             read[i] = token_equivalents(exact_tokens=pt.seq_len - pt.mid_len + k_eff,
                                         feature_dim=self.maps.spec.feature_dim,
                                         head_dim=q.shape[-1], gen_len=self.gen_len, retrieved=k_eff,
-                                        completion=self.use_completion and not full_mid)["total"]
+                                        completion=on and not full_mid)["total"]
         return out, read, None, 0
 
 

@@ -5,6 +5,7 @@ selected pages fetched per step); ``prefix_store`` is a directory of persisted p
 prefix_store``, keyed by the model's fingerprint)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from macattn.methods.completion.config import CompletionConfig
@@ -16,26 +17,33 @@ from macattn.runtime.chunk_store import prefix_store as make_prefix_store
 __all__ = ["KV_OFFLOAD", "completion_method"]
 
 KV_OFFLOAD = (None, "host")
-_KEYS = ("completion", "maps", "kv_offload", "offload", "prefix_store")
+_KEYS = ("completion", "maps", "gate", "kv_offload", "offload", "prefix_store")
 
 
-def completion_method(model, method: str, *, completion=None, maps=None, kv_offload=None, offload=None,
+def completion_method(model, method: str, *, completion=None, maps=None, gate=None, kv_offload=None, offload=None,
                       prefix_store=None, prefix_store_max_bytes: int | None = None
                       ) -> tuple[str, CompletionConfig | None, dict | None]:
     """The engine's ``(method name, method_config, method_kwargs)``. ``completion``: a ``CompletionConfig``
     (default: exhaustive, or ``"quest"`` with ``kv_offload``); ``maps``: a ``CompletionFeatureMaps``, a
-    ``save_feature_maps`` directory, or None (untrained init); ``kv_offload``: None or ``"host"``; ``offload``:
+    ``save_feature_maps`` directory, or None (untrained init); ``gate``: the completion term's per-layer gate, a
+``CompletionGate`` or its JSON file (``macattn tune --completion``; read by ``CompletionConfig``), or None;
+``kv_offload``: None or ``"host"``; ``offload``:
     an ``OffloadConfig``; ``prefix_store``: a directory. Other methods take none of these (``ValueError``)."""
     if kv_offload not in KV_OFFLOAD:
         raise ValueError(f"kv_offload must be one of {KV_OFFLOAD}, got {kv_offload!r}")
     if method != "completion":
-        given = [n for n, v in zip(_KEYS, (completion, maps, kv_offload, offload, prefix_store)) if v is not None]
+        given = [n for n, v in zip(_KEYS, (completion, maps, gate, kv_offload, offload, prefix_store))
+                 if v is not None]
         if given:
             raise ValueError(f"{given[0]} is retrieval-completion's option; method={method!r} takes none")
         return method, None, None
     cfg = completion if completion is not None else CompletionConfig(selector="quest" if kv_offload else "exact")
     if not isinstance(cfg, CompletionConfig):
         raise TypeError(f"completion must be a CompletionConfig, got {type(cfg).__name__}")
+    if gate is not None:
+        if cfg.gate is not None:
+            raise ValueError("gate is given twice: as the gate argument and as completion.gate; give one")
+        cfg = replace(cfg, gate=gate)
     if maps is None:
         maps = maps_for_model(model, feature_dim=cfg.feature_dim, hidden=cfg.hidden)
     elif not isinstance(maps, CompletionFeatureMaps):

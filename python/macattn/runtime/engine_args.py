@@ -41,7 +41,7 @@ DTYPES = {"auto": None, "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "
           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
 """``dtype`` spellings -> the ``torch`` dtype's name (None: the checkpoint's)."""
 _MAC_OFF, _MAC_ON = "off", "on"
-_PATH_FIELDS = ("model", "tokenizer", "mac", "completion_maps", "prefix_store")
+_PATH_FIELDS = ("model", "tokenizer", "mac", "completion_maps", "completion_gate", "prefix_store")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")   # any one: a tokenizer
 # flag spellings kept beside the generated ``--field-name`` ones
 _ALIASES = {"tensor_parallel_size": ("--tp",), "mac": ("--per-layer",), "mac_tau": ("--tau",),
@@ -76,6 +76,9 @@ class EngineArgs:
     """MAC rectification band r >= 0 over the file's / default global value"""
     completion_maps: str | None = None
     """method completion: distilled feature maps directory (default: untrained init)"""
+    completion_gate: str | None = None
+    """method completion: per-layer gate of the completion term, a JSON file from macattn tune --completion
+    (default: the term in every layer)"""
     kv_offload: str | None = None
     """method completion: 'host' keeps the prompt KV in host memory and fetches the selected pages per step"""
     prefix_store: str | None = None
@@ -135,7 +138,8 @@ class EngineArgs:
         if self.kv_offload not in (None, "host"):
             raise ValueError(f"kv_offload must be None or 'host', got {self.kv_offload!r}")
         if self.method not in ("completion", "completion_offload"):
-            given = [n for n in ("completion_maps", "kv_offload", "prefix_store", "prefix_store_max_bytes")
+            given = [n for n in ("completion_maps", "completion_gate", "kv_offload", "prefix_store",
+                                 "prefix_store_max_bytes")
                      if getattr(self, n) is not None]
             if given:
                 raise ValueError(f"{given[0]} is retrieval-completion's option; method={self.method!r} takes none")
@@ -248,7 +252,7 @@ class EngineArgs:
             completion_like = self.method in ("completion", "completion_offload")
             name, method_config, method_kwargs = completion_method(
                 model, "completion" if completion_like else self.method, completion=completion,
-                maps=self.completion_maps, offload=offload, prefix_store=self.prefix_store,
+                maps=self.completion_maps, gate=self.completion_gate, offload=offload, prefix_store=self.prefix_store,
                 prefix_store_max_bytes=self.prefix_store_max_bytes,
                 kv_offload="host" if self.method == "completion_offload" else self.kv_offload)
         config = self.runtime_config()

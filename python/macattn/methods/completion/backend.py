@@ -13,6 +13,9 @@ a KV cache and this method is the cache).
   synchronisation, so the runtime captures the whole step in a CUDA graph
   (``decode_capturable``); the per-step log is written by ``decoded`` from host values.
 
+With a gate (``CompletionConfig.gate``) a layer whose term is off runs Top-k alone at the Top-k of equal
+token-equivalents (``reference.layer_top_k``), through the same op with ``log φ_q = -inf`` (``mask_log_phi_q``).
+
 ``budget_report`` gives the KV reads per decode step and KV head in token-equivalents
 (``macattn.methods.completion.reference.token_equivalents``) over the logged steps.
 """
@@ -26,8 +29,9 @@ from macattn.methods.base import AttentionMethod, Capabilities, ModelDims
 from macattn.methods.completion import ops  # noqa: F401  (defines the torch ops)
 from macattn.methods.completion.feature_maps import CompletionFeatureMaps, fitted_maps
 from macattn.methods.completion.config import CompletionConfig
-from macattn.methods.completion.reference import (build_completion_cache, hybrid_decode_step, make_selector,
-                                                  page_retrieval_completion_step, partition,
+from macattn.methods.completion.gate import mask_log_phi_q
+from macattn.methods.completion.reference import (build_completion_cache, hybrid_decode_step, layer_top_k,
+                                                  make_selector, page_retrieval_completion_step, partition,
                                                   retrieval_completion_step, token_equivalents)
 from macattn.methods.completion.state import CompletionState
 
@@ -49,6 +53,8 @@ class CompletionAttention(AttentionMethod):
         super().__init__(config, dims, num_slots=num_slots)
         self.maps = fitted_maps(maps, dims)
         spec = self.maps.spec
+        if config.gate is not None:
+            config.gate.check_layers(dims.num_layers)
         self.state = CompletionState.allocate(num_layers=dims.num_layers, num_slots=num_slots,
                                               num_kv_heads=dims.num_kv_heads, max_seq_len=max_seq_len,
                                               head_dim=dims.head_dim, feature_dim=spec.feature_dim, dtype=dims.dtype,
@@ -136,17 +142,23 @@ class CompletionAttention(AttentionMethod):
             out = self._decode_reference(layer, q, lpq, slots, seq_lens, scale)
         return out.unsqueeze(1)
 
+    def _layer_k(self, layer: int, k: int) -> tuple[int, bool]:
+        """``(Top-k, completion on)`` of ``layer`` for a request of Top-k ``k`` (``reference.layer_top_k``)."""
+        return layer_top_k(self.config.gate, layer, k, feature_dim=self.maps.spec.feature_dim, head_dim=self.dims.head_dim)
+
     def _decode_op(self, layer, q, lpq, slots, seq_lens, scale) -> torch.Tensor:
         """``macattn::retrieval_completion`` over every slot's rows in place (no gathered copy of
         any K/V): rows not in this step see their first token only (length 1, no prefill) and
         their outputs are dropped. One call per distinct Top-k (one call with a fixed ``top_k``,
-        which the op clamps to each row's mid region)."""
+        which the op clamps to each row's mid region); the layer's gate picks its Top-k and masks its term."""
         st, cfg = self.state, self.config
         S = st.num_slots
         groups = [(cfg.top_k, None)] if cfg.top_k is not None else self._k_groups(slots)
         out = torch.empty_like(q)
         for k, idx in groups:
+            k, on = self._layer_k(layer, k)
             sl, qs, lq, ln = (slots, q, lpq, seq_lens) if idx is None else (slots[idx], q[idx], lpq[idx], seq_lens[idx])
+            lq = mask_log_phi_q(lq, on)
             lens = torch.ones(S, dtype=ln.dtype, device=ln.device)
             lens[sl] = ln
             npf = torch.zeros_like(lens)
@@ -170,15 +182,17 @@ class CompletionAttention(AttentionMethod):
         return out
 
     def _decode_reference(self, layer, q, lpq, slots, seq_lens, scale) -> torch.Tensor:
-        """The fp64 reference functions on gathered rows (``use_op=False``, or a non-exact selector)."""
+        """The fp64 reference functions on gathered rows (``use_op=False``, or a non-exact selector); the layer's
+        gate picks its Top-k and masks its term."""
         st, cfg = self.state, self.config
         width = int(seq_lens.max())
         npf = st.n_prefill[slots]
         out = torch.empty_like(q)
         for k, idx in self._k_groups(slots):
+            k, on = self._layer_k(layer, k)
             sl = slots[idx]
             args = (q[idx], st.k[layer][sl, :, :width], st.v[layer][sl, :, :width], seq_lens[idx], npf[idx],
-                    lpq[idx], st.log_phi_k[layer][sl, :, :width], st.comp_a[layer][sl], st.comp_b[layer][sl],
+                    mask_log_phi_q(lpq[idx], on), st.log_phi_k[layer][sl, :, :width], st.comp_a[layer][sl], st.comp_b[layer][sl],
                     st.comp_shift[layer][sl])
             if cfg.selector == "exact":
                 out[idx] = retrieval_completion_step(*args, n_sink=cfg.n_sink, n_tail=cfg.n_tail, top_k=k, scale=scale)
@@ -208,9 +222,11 @@ class CompletionAttention(AttentionMethod):
         for s, m in zip(slots, positions):
             p = partition(self._n_prefill[s], m + 1, n_sink=cfg.n_sink, n_tail=cfg.n_tail)
             k = self._k_of(s)
+            per_layer = [self._layer_k(layer, k) for layer in range(self.dims.num_layers)]
             self.step_log.append({"request": self._request_of_slot[s], "n_prefill": p.n_prefill,
                                   "seq_len": p.seq_len, "mid": p.mid_len, "retrieved": k,
-                                  "exact": p.seq_len - p.mid_len + k})
+                                  "exact": p.seq_len - p.mid_len + k,
+                                  "per_layer": [(min(kl, p.mid_len), on) for kl, on in per_layer]})
 
     # --- accounting -----------------------------------------------------------------------
     def budget_report(self, gen_len: int | None = None) -> dict:
@@ -221,7 +237,8 @@ class CompletionAttention(AttentionMethod):
         (``exact_kv_worst``). The completion cache ``(F·d + 2F)/(2d)`` is charged once per request
         and amortised over ``gen_len`` steps (default: the steps actually logged per request;
         ``gen_len=1`` is the worst case); the retrieved tokens' ``log φ_k`` rows add ``F/(2d)`` each.
-        ``full`` is what exact attention would read (``seq_len``).
+        ``full`` is what exact attention would read (``seq_len``). Means over the layers, each at its gated Top-k
+        (a layer whose term is off pays no cache and no ``log φ_k`` rows).
         """
         if not self.step_log:
             return {"steps": 0}
@@ -233,16 +250,19 @@ class CompletionAttention(AttentionMethod):
         tot = {"exact": 0.0, "exact_kv_worst": 0.0, "total": 0.0, "total_kv_worst": 0.0, "full": 0.0}
         for e in self.step_log:
             g = gen_len or per_req[e["request"]]
-            comp = e["mid"] > e["retrieved"]
-            union = min(e["mid"], grp * e["retrieved"])
-            te = token_equivalents(exact_tokens=e["exact"], feature_dim=f, head_dim=d, gen_len=g,
-                                   retrieved=e["retrieved"], completion=comp)
-            tw = token_equivalents(exact_tokens=e["exact"] - e["retrieved"] + union, feature_dim=f, head_dim=d,
-                                   gen_len=g, retrieved=union, completion=comp)
-            tot["exact"] += e["exact"]
-            tot["exact_kv_worst"] += tw["exact"]
-            tot["total"] += te["total"]
-            tot["total_kv_worst"] += tw["total"]
+            anchors = e["seq_len"] - e["mid"]
+            for k, on in e["per_layer"]:          # the mean over layers (a gate changes a layer's k and term)
+                comp = on and e["mid"] > k
+                union = min(e["mid"], grp * k)
+                te = token_equivalents(exact_tokens=anchors + k, feature_dim=f, head_dim=d, gen_len=g, retrieved=k,
+                                       completion=comp)
+                tw = token_equivalents(exact_tokens=anchors + union, feature_dim=f, head_dim=d, gen_len=g,
+                                       retrieved=union, completion=comp)
+                share = 1.0 / len(e["per_layer"])
+                tot["exact"] += te["exact"] * share
+                tot["exact_kv_worst"] += tw["exact"] * share
+                tot["total"] += te["total"] * share
+                tot["total_kv_worst"] += tw["total"] * share
             tot["full"] += e["seq_len"]
         n = len(self.step_log)
         rep = {k: v / n for k, v in tot.items()}

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from macattn.core.validation import check_int
+from macattn.methods.completion.gate import CompletionGate
 
 __all__ = ["METHODS", "SELECTORS", "CompletionConfig"]
 
@@ -28,6 +30,8 @@ class CompletionConfig:
     no token refinement; bounds kept in the state; ``macattn::page_retrieval_completion``);
     page_size / page_overfetch: pages of the ``"pages"`` / ``"quest"`` selectors (``"pages"`` keeps
     ``ceil(top_k / page_size) * page_overfetch``).
+    gate: the per-layer gate of the completion term (``macattn.methods.completion.gate``): None (the term in
+    every layer), a ``CompletionGate`` or the path of its JSON file (``macattn tune --completion``), read here.
     """
 
     n_sink: int = 16
@@ -39,8 +43,14 @@ class CompletionConfig:
     selector: str = "exact"
     page_size: int = 16
     page_overfetch: int = 2
+    gate: CompletionGate | None = None
 
     def __post_init__(self):
+        if isinstance(self.gate, (str, os.PathLike)):
+            object.__setattr__(self, "gate", CompletionGate.load(self.gate))
+        if self.gate is not None and not isinstance(self.gate, CompletionGate):
+            raise TypeError(f"gate must be a CompletionGate, its JSON file's path or None, got "
+                            f"{type(self.gate).__name__}")
         check_int("n_sink", self.n_sink, 0)
         check_int("n_tail", self.n_tail, 0)
         if (self.top_k is None) == (self.budget is None):

@@ -58,7 +58,7 @@ import torch
 from macattn.core.slot_pool import SlotPool
 from macattn.core.validation import check_int
 from macattn.methods.completion.config import CompletionConfig
-from macattn.methods.completion.reference import (decode_retrieved_reference, page_bounds, partition,
+from macattn.methods.completion.reference import (decode_retrieved_reference, layer_top_k, page_bounds, partition,
                                                   select_mid_pages_reference)
 
 __all__ = ["OffloadConfig", "OffloadedKV", "PREFETCH", "lru_update", "offload_bytes", "pinned_zeros"]
@@ -215,10 +215,14 @@ class OffloadedKV(SlotPool):
         if cfg.selector != "quest" or cfg.top_k is None:
             raise ValueError(f"the offloaded decode needs selector='quest' and a fixed top_k, got "
                              f"selector={cfg.selector!r}, top_k={cfg.top_k!r}")
-        K = cfg.pages_for(cfg.top_k)
+        if cfg.gate is not None:
+            cfg.gate.check_layers(num_layers)
+        K = max(cfg.pages_for(layer_top_k(cfg.gate, layer, cfg.top_k, feature_dim=feature_dim, head_dim=head_dim)[0])
+                for layer in range(num_layers))
         if K > off.hot_pages:
             raise ValueError(f"hot_pages={off.hot_pages} must be >= the pages a step selects per KV head "
-                             f"(ceil(top_k={cfg.top_k} / page_size={cfg.page_size}) = {K})")
+                             f"(ceil(top_k / page_size={cfg.page_size}) = {K} with top_k={cfg.top_k} and the gate's "
+                             f"equal-cost Top-k of the layers it turns off)")
         need = offload_bytes(cfg, off, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                              feature_dim=feature_dim, dtype=dtype)
         if need["host"] * num_slots > off.host_budget_bytes:
@@ -272,7 +276,15 @@ class OffloadedKV(SlotPool):
 
     @property
     def budget_pages(self) -> int:
+        """Pages per KV head and step of a layer with the completion term (the config's ``top_k``)."""
         return self.cfg.pages_for(self.cfg.top_k)
+
+    def layer_plan(self, layer: int) -> tuple[int, bool]:
+        """``(pages per KV head and step, completion term on)`` of ``layer``: its gated Top-k
+        (``reference.layer_top_k``) in pages; the term is off everywhere with ``completion=False``."""
+        k, on = layer_top_k(self.cfg.gate, layer, self.cfg.top_k, feature_dim=self.cache_lpk[layer].shape[3],
+                            head_dim=self.anchor_k[layer].shape[3])
+        return self.cfg.pages_for(k), on and self.completion
 
     # --- per-slot state protocol -------------------------------------------------------------
     def reset(self, slot: int) -> None:
@@ -357,13 +369,14 @@ class OffloadedKV(SlotPool):
     def select(self, layer: int, q_all: torch.Tensor, n_prefill: torch.Tensor) -> torch.Tensor:
         """The page selector over every slot: ``q_all [S, Hq, d]`` -> ``[S, Hkv, K]`` absolute pages."""
         cfg = self.cfg
+        budget = self.layer_plan(layer)[0]
         args = (q_all, self.page_lo[layer], self.page_hi[layer], n_prefill)
         if self.use_kernels:
             from macattn.plugins.retrieval_completion.op import select_mid_pages
 
-            return select_mid_pages(*args, cfg.n_sink, cfg.n_tail, cfg.page_size, self.budget_pages)
+            return select_mid_pages(*args, cfg.n_sink, cfg.n_tail, cfg.page_size, budget)
         return select_mid_pages_reference(*args, n_sink=cfg.n_sink, n_tail=cfg.n_tail, page_size=cfg.page_size,
-                                          budget=self.budget_pages).to(q_all.device)
+                                          budget=budget).to(q_all.device)
 
     def fetch(self, layer: int, q_all: torch.Tensor, n_prefill: torch.Tensor, *,
               speculative: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -384,7 +397,7 @@ class OffloadedKV(SlotPool):
             self.hits += (valid & ~miss).sum((1, 2))
             self.misses += miss.sum((1, 2))
         tiers = ((self.host_k, self.cache_k), (self.host_v, self.cache_v), (self.host_lpk, self.cache_lpk))
-        for src, dst in tiers if self.completion else tiers[:2]:
+        for src, dst in tiers if self.layer_plan(layer)[1] else tiers[:2]:
             gather_pages(src[:, layer], dst[layer], pages, slots, miss, use_kernel=self.use_kernels)
         page = self.page_size
         off = torch.arange(page, device=pages.device)
@@ -400,6 +413,7 @@ class OffloadedKV(SlotPool):
         (and a CUDA copy stream), layer ``layer + 1``'s guessed pages are fetched on the copy stream after
         this layer's own fetch (``prefetch_q``: the query to guess with, default ``q_all``)."""
         cfg = self.cfg
+        pages, on = self.layer_plan(layer)
         if self._copy_stream is not None and layer > 0:     # layer - 1 prefetched for this layer
             torch.cuda.current_stream().wait_event(self._events[layer])
         positions, rows = self.fetch(layer, q_all, n_prefill)
@@ -409,7 +423,7 @@ class OffloadedKV(SlotPool):
                 self.comp_b[layer], self.comp_shift[layer], positions)
         kw = dict(retrieved=(self.cache_k[layer], self.cache_v[layer], self.cache_lpk[layer]), rows=rows,
                   anchors_compact=True, n_sink=cfg.n_sink, n_tail=cfg.n_tail,
-                  top_k=self.budget_pages if self.completion else 1 << 30,      # >= every mid: no completion
+                  top_k=pages if on else 1 << 30,      # >= every mid: no completion
                   page_size=cfg.page_size, scale=scale)
         if self.use_kernels:
             from macattn.plugins.retrieval_completion.op import decode_retrieved_triton

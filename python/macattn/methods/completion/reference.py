@@ -40,13 +40,15 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from macattn.methods.completion.config import SELECTORS
+from macattn.methods.completion.gate import CompletionGate
 
 from macattn.core.validation import check_int
 
 __all__ = ["Partition", "partition", "Selector", "ExhaustiveTopK", "PageSummaryTopK", "make_selector", "page_bounds",
            "page_upper_bounds", "select_pages_reference", "build_completion_cache", "build_completion_cache_batched", "subtract_retrieved", "hybrid_decode_step", "mid_pages",
            "page_retrieval_completion_step", "select_mid_pages_reference",
-           "decode_retrieved_reference", "retrieval_completion_step", "selection_only_step", "sink_tail_step", "full_attention_step", "token_equivalents", "budget_top_k"]
+           "decode_retrieved_reference", "retrieval_completion_step", "selection_only_step", "sink_tail_step", "full_attention_step", "token_equivalents", "budget_top_k",
+           "equal_cost_top_k", "layer_top_k"]
 
 @dataclass(frozen=True)
 class Partition:
@@ -558,3 +560,27 @@ def budget_top_k(budget_tokens: float, *, anchors: int, feature_dim: int, head_d
     if room < 0:
         return None
     return min(mid_len, int(math.floor(room / per_tok + 1e-9)))
+
+
+def equal_cost_top_k(k: int, *, feature_dim: int, head_dim: int, gen_len: int) -> int:
+    """Top-k alone at the token-equivalents of completion with Top-k ``k`` (``token_equivalents``: ``k``
+    tokens, the cache amortised over ``gen_len`` steps and ``k`` rows of ``log φ_k``), rounded down."""
+    check_int("k", k, 0)
+    te = token_equivalents(exact_tokens=k, feature_dim=feature_dim, head_dim=head_dim, gen_len=gen_len, retrieved=k)
+    return int(math.floor(te["total"] + 1e-9))
+
+
+def layer_top_k(gate: CompletionGate | None, layer: int, k: int, *, feature_dim: int,
+                head_dim: int) -> tuple[int, bool]:
+    """``(Top-k, completion term on)`` of ``layer`` under ``gate`` (``CompletionConfig.gate``) for a request whose
+    Top-k is ``k`` (``top_k`` or ``k_for``): ``(k, True)`` without a gate or where it is on; where it is off,
+    Top-k alone at the same token-equivalents (``equal_cost_top_k`` with the gate's ``gen_len``; ``feature_dim``
+    of the maps, ``head_dim`` of the model) and False."""
+    check_int("layer", layer, 0)
+    if gate is None:
+        return k, True
+    if layer >= gate.num_layers:
+        raise ValueError(f"layer must be < the gate's {gate.num_layers} layers, got {layer}")
+    if gate.layers[layer]:
+        return k, True
+    return equal_cost_top_k(k, feature_dim=feature_dim, head_dim=head_dim, gen_len=gate.gen_len), False
