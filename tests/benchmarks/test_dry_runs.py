@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
     ("bench_serving.py", "output tok/s"),
     ("bench_engine_steps.py", "budget"),
     ("bench_ttft.py", "on/off"),
-    ("eval_completion_budgets.py", "top-k only pages"),
+    ("eval_completion_budgets.py", "completion gated exhaustive"),
     ("bench_tp.py", "step ms"),
     ("bench_offload.py", "offloaded = reference: yes"),
     ("eval_calibrated_threshold.py", "skip at equal agreement"),
