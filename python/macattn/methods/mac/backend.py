@@ -163,14 +163,16 @@ class MacAttention(AttentionMethod):
         S = key.shape[2]
         params = self.config.for_layer(layer)
         q_pre = self.match_query(layer, q_pre)
-        if step.prefill is not None:         # a packed call: attend, then seed each segment's ring row
-            out = step.prefill.attend(layer, query, key, value, scale)
-            for i, seg in enumerate(step.prefill.segments):
+        if step.prefill is not None:         # a packed call: attend, seeding each segment's ring row on its K/V
+            plan = step.prefill
+
+            def seed(i, k, v):
+                seg = plan.segments[i]
                 part = slice(seg.offset, seg.offset + seg.length)
-                k, v = step.prefill.segment_kv(layer, i, key, value)
-                self._seed(layer, step.prefill.slot_row(i, query.device), params, query[:, :, part],
-                           q_pre[:, :, part], k, v, scale)
-            return out
+                self._seed(layer, plan.slot_row(i, query.device), params, query[:, :, part], q_pre[:, :, part],
+                           k, v, scale)
+
+            return plan.attend(layer, query, key, value, scale, each=seed)
         out, _ = fallback(module, query, key, value, attention_mask, scaling=scale, **kwargs)
         if S == T and layer == 0 and step.slots is None:
             self.start_batch(B)
