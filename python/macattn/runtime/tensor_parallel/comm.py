@@ -82,7 +82,7 @@ class WireUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         registered = (module, name) in _RANK_FUNCTIONS or (module, name) in self.extra
         if registered or module.split(".")[0] in _WIRE_ROOTS:
-            obj = super().find_class(module, name)
+            obj = super().find_class(module, name)      # importing it may register it (a package rank_function)
             if registered or (module, name) in _WIRE_GLOBALS or (module, name) in _RANK_FUNCTIONS \
                     or _wire_type(module, obj):
                 return obj
