@@ -176,10 +176,10 @@ class _FusedLayer(nn.Module):
             q = kernels.rope_append(qkv, cos.reshape(B, d), sin.reshape(B, d), k_pool, v_pool, kv.write_rows,
                                     self.num_q_heads, self.num_kv_heads).unsqueeze(2)
             k, v = kv.pages(idx)
-        elif B == 1 and isinstance(kv, PackedAppend) and kv.pool(idx)[0].dtype == qkv.dtype:
+        elif B == 1 and isinstance(kv, PackedAppend) and (pools := kv.pool(idx))[0].dtype == qkv.dtype:
             # RoPE + append of all N tokens in one launch, then the call's keys / values read back from
             # their rows: [1, H, N, d] views of token-major tensors (the layout flash / cuDNN read)
-            k_pool, v_pool = kv.pool(idx)
+            k_pool, v_pool = pools
             q = kernels.rope_append(qkv, cos.reshape(T, d), sin.reshape(T, d), k_pool, v_pool, kv.rows,
                                     self.num_q_heads, self.num_kv_heads).transpose(0, 1).unsqueeze(0)
             k = k_pool.index_select(0, kv.rows).transpose(0, 1).unsqueeze(0)
