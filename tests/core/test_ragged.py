@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from macattn.core.ragged import (MERGE_MIN_QUERIES, PrefillSegment, RaggedPrefill, ragged_attention_reference,
+from macattn.core import ragged
+from macattn.core.ragged import (PrefillSegment, RaggedPrefill, ragged_attention_reference,
                                  split_causal_attention)
 
 # (start, length) per segment
@@ -65,9 +66,13 @@ def test_an_empty_plan_is_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("case", CASES + [[(0, 1024), (3000, 512), (0, 77)],
-                                          [(3000, MERGE_MIN_QUERIES), (0, 100), (700, MERGE_MIN_QUERIES + 5)]])
+                                          [(3000, 2048), (0, 100), (700, 2053)]])
 @pytest.mark.parametrize("Hq,Hkv,d", [(32, 8, 128), (8, 8, 64)])
-def test_packed_attention_on_cuda_equals_the_definition(case, Hq, Hkv, d):
+@pytest.mark.parametrize("cudnn_min_work", [ragged.CUDNN_MIN_WORK, 0])
+def test_packed_attention_on_cuda_equals_the_definition(case, Hq, Hkv, d, cudnn_min_work, monkeypatch):
+    """Every segment on flash (the default threshold at these sizes) and on cuDNN (threshold 0: fresh
+    segments square-causal, continued ones through the split path)."""
+    monkeypatch.setattr(ragged, "CUDNN_MIN_WORK", cudnn_min_work)
     out, ref = _run(case, Hq, Hkv, d, torch.bfloat16, "cuda", seed=7)
     assert torch.isfinite(out).all()
     err = (out.float() - ref).norm() / ref.norm()
@@ -88,3 +93,12 @@ def test_split_continued_chunk_equals_the_definition(Q, S):
     assert out.shape == (1, 32, Q, 128) and out.dtype == torch.bfloat16
     err = (out.transpose(1, 2).float() - ref).norm() / ref.norm()
     assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("Q,S,cudnn", [(32768, 32768, True), (1024, 1024, False), (8192, 8192, False),
+                                       (8191, 8191 + 16387, True), (8191, 8191 + 8196, False),
+                                       (2047, 2047 + 26628, False), (1, 40000, False)])
+def test_cudnn_only_where_the_work_repays_its_plan_build(Q, S, cudnn):
+    """The measured points of ``CUDNN_MIN_WORK`` (H100): cuDNN where 32 layers save more than its ~70 ms
+    per-shape plan build, flash elsewhere."""
+    assert ragged.uses_cudnn(Q, S) is cudnn

@@ -104,3 +104,28 @@ def test_max_num_batched_tokens_is_validated():
         RuntimeConfig(max_num_batched_tokens=0)
     with pytest.raises(ValueError, match="max_num_batched_tokens must be > max_batch_size=4"):
         RuntimeConfig(max_batch_size=4, max_num_batched_tokens=4)
+
+
+@pytest.mark.parametrize("chunk", [5, 16, 40])
+def test_chunked_ring_equals_the_whole_prompts_ring_in_a_reused_slot(chunk):
+    """MAC seeds only the chunks that hold the prompt's last ``window`` positions (earlier chunks' ring
+    columns are all overwritten): after a chunked prefill into a slot another request used, the ring row
+    (queries, summaries, log-sum-exps: to fp32 rounding; positions: exactly) equals a whole-prompt prefill's."""
+    def ring_after(budget):
+        eng = LLMEngine(tiny_model("llama", seed=2), MAC,
+                        RuntimeConfig(max_batch_size=1, max_seq_len=128, max_num_batched_tokens=budget))
+        first = eng.add_request(prompts(1, seed=5, lo=50, hi=50)[0], max_new_tokens=3)
+        while eng.has_unfinished():
+            eng.step()
+        eng.pop_finished(first)
+        rid = eng.add_request(prompts(1, seed=6, lo=57, hi=57)[0], max_new_tokens=2)
+        while not any(o.request_id == rid for o in eng.step()):
+            pass
+        state, slot = eng.executor.method.state, eng.requests[rid].slot
+        return [[t[slot].clone() for t in state.layer(layer)] for layer in range(eng.executor.num_layers)]
+
+    whole, chunked = ring_after(None), ring_after(chunk)
+    for a, b in zip(whole, chunked):
+        assert torch.equal(a[-1], b[-1])                  # the positions each column holds
+        for x, y in zip(a[:-1], b[:-1]):
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)

@@ -10,8 +10,10 @@ Each segment's causal attention is one call of torch's ``scaled_dot_product_atte
 tensors: ``is_causal`` for a fresh segment (``start == 0``: the square causal mask, which every fused
 backend takes), ``causal_lower_right`` for a chunk after earlier chunks (query ``j`` of the chunk sees
 keys ``0 .. start + j``; flash / memory-efficient kernels take it without a mask). No ``n x n`` mask
-is ever materialised. On CUDA the backends are tried in the order ``CUDA_BACKENDS`` gives for the
-segment's kind (fresh / continued), chosen by measurement (``benchmarks/bench_prefill_floor.py``; ``benchmarks/notes/serving.md``, "Serving at the hardware floor").
+is ever materialised. On CUDA a segment runs on cuDNN only where its attention is large enough to repay
+cuDNN's per-shape plan build (``uses_cudnn``), else on flash; the backends are tried in the order
+``CUDA_BACKENDS`` gives, chosen by measurement (``benchmarks/bench_prefill_floor.py``;
+``benchmarks/notes/serving.md``, "Serving at the hardware floor").
 
 ``ragged_attention_reference`` is the plain-torch definition (explicit masks, fp32 / fp64) the tests
 hold the packed path against.
@@ -28,18 +30,31 @@ from torch.nn.attention.bias import causal_lower_right
 from macattn.core.attention import expand_kv_heads
 
 __all__ = ["PrefillSegment", "RaggedPrefill", "causal_attention", "split_causal_attention", "ragged_attention_reference",
-           "CUDA_BACKENDS", "MERGE_MIN_QUERIES"]
+           "CUDA_BACKENDS", "CUDNN_MIN_WORK", "uses_cudnn"]
 
-# SDPA backends for prefill on CUDA, in priority order per segment kind (the dispatcher skips one that
-# cannot take the inputs). H100, 8B shapes (benchmarks/results/bench_prefill_floor_h100.json): a fresh
-# 32K causal prompt takes 427 ms on cuDNN vs 806 ms on flash, but a chunk after earlier chunks
-# (causal_lower_right, 8K queries over 32K keys) takes 469 ms on cuDNN vs 345 ms on flash.
+# SDPA backends for prefill on CUDA, in priority order (the dispatcher skips one that cannot take the
+# inputs). H100, 8B shapes (benchmarks/results/bench_prefill_floor_h100.json): a fresh 32K causal prompt
+# takes 427 ms on cuDNN vs 806 ms on flash; a chunk after earlier chunks through cuDNN's lower-right path
+# 469 ms vs flash's 345 ms (8K queries over 32K keys), hence ``split_causal_attention`` for cuDNN there.
 CUDA_BACKENDS = {
-    "fresh": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
               SDPBackend.MATH],
-    "continued": [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                  SDPBackend.MATH],
+    "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+              SDPBackend.MATH],
 }
+
+# cuDNN builds an execution plan for every new (queries, keys) shape, ~70 ms on the H100, once per shape
+# per process (benchmarks/notes/serving.md: a new prompt length paid it on every layer's first call). Its
+# kernels beat flash's only by ~0.5-3 ms per layer, so a segment runs on cuDNN where its attention work —
+# query x key pairs: Q^2 / 2 for a fresh causal segment, Q x (S - Q) for a continued chunk's earlier keys
+# — reaches this: 32 layers then save more than one build (fresh 16K: 88 ms saved; 8K over 16K: 85 ms;
+# 2K over 26K: 30 ms, stays on flash; below ~4K flash is faster outright).
+CUDNN_MIN_WORK = 1 << 27
+
+
+def uses_cudnn(Q: int, S: int) -> bool:
+    """Whether a causal segment of ``Q`` queries at the last ``Q`` of ``S`` keys runs on cuDNN (CUDA)."""
+    return (Q * Q // 2 if Q == S else Q * (S - Q)) >= CUDNN_MIN_WORK
 
 
 @dataclass(frozen=True)
@@ -48,42 +63,47 @@ class PrefillSegment:
 
     offset: index of its first token in the call; length: its tokens (>= 1); start: prompt position of
     its first token; slot: its state row; history: ``[start]`` int64 pool rows of positions
-    ``0 .. start - 1`` on the pool's device (None when ``start == 0``)."""
+    ``0 .. start - 1`` on the pool's device (None when ``start == 0``); prompt_end: where the request's
+    prefill ends (its prompt length; None: with this chunk), so a method that keeps state of the last
+    positions only can skip what a later chunk overwrites."""
 
     offset: int
     length: int
     start: int
     slot: int
     history: torch.Tensor | None = None
+    prompt_end: int | None = None
 
     @property
     def end(self) -> int:
         """Prompt position after its last token."""
         return self.start + self.length
 
+    def last_positions(self, n: int) -> int:
+        """How many of this chunk's positions are among the prompt's last ``n`` (0 .. ``length``)."""
+        end = self.end if self.prompt_end is None else self.prompt_end
+        return max(0, self.end - max(self.start, end - n))
+
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """``q [1, Hq, Q, d]`` at the last ``Q`` positions of ``k, v [1, Hkv, S, d]`` (``S >= Q``), causal:
     query ``j`` sees keys ``0 .. S - Q + j``. Returns ``[1, Hq, Q, d]`` in ``q``'s dtype.
 
-    On CUDA a continued chunk of at least ``MERGE_MIN_QUERIES`` queries runs as two cuDNN calls merged by
-    their log-sum-exps (``split_causal_attention``): cuDNN's causal-lower-right path is slower than flash's,
-    but its plain and square-causal paths are ~1.7x flash's (H100, ``benchmarks/notes/serving.md``)."""
+    On CUDA a segment large enough for cuDNN (``uses_cudnn``) runs there — a continued chunk as two cuDNN
+    calls merged by their log-sum-exps (``split_causal_attention``) — and any other on flash."""
     Q, S = q.shape[2], k.shape[2]
     if not q.is_cuda:
         return _sdpa(q, k, v, scale)
-    if Q != S and Q >= MERGE_MIN_QUERIES and _SPLIT_OK.get(q.device, True):
+    cudnn = uses_cudnn(Q, S)
+    if cudnn and Q != S and _SPLIT_OK.get(q.device, True):
         try:
             return split_causal_attention(q, k, v, scale)
         except RuntimeError:            # no cuDNN attention for these inputs: the fused lower-right path
             _SPLIT_OK[q.device] = False
-    with sdpa_kernel(CUDA_BACKENDS["fresh" if Q == S else "continued"], set_priority=True):
+    with sdpa_kernel(CUDA_BACKENDS["cudnn" if cudnn and Q == S else "flash"], set_priority=True):
         return _sdpa(q, k, v, scale)
 
 
-# A continued chunk this long (queries) takes the split cuDNN path on CUDA: at 1K queries over 3K keys
-# flash's lower-right kernel wins (0.21 vs 0.33 ms per layer, H100), at 2K over 32K the split (1.79 vs 3.12).
-MERGE_MIN_QUERIES = 2048
 _SPLIT_OK: dict = {}
 
 

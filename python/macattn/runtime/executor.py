@@ -242,7 +242,7 @@ class ModelExecutor:
             pos.append(torch.arange(c.start, c.end))
             write.append(self.blocks.rows(seq, c.start, c.end))
             history = self.blocks.rows(seq, 0, c.start).to(dev) if c.start else None
-            segments.append(PrefillSegment(offset, c.num_tokens, c.start, seq.slot, history))
+            segments.append(PrefillSegment(offset, c.num_tokens, c.start, seq.slot, history, len(seq.prompt)))
             if seq.sampling.prompt_logprobs is not None:
                 spans.append((c, len(at)))
                 at.extend(range(offset, offset + c.num_tokens))

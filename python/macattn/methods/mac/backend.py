@@ -168,9 +168,12 @@ class MacAttention(AttentionMethod):
 
             def seed(i, k, v):
                 seg = plan.segments[i]
+                keep = seg.last_positions(params.window)
+                if keep == 0:     # a later chunk writes every ring column (it holds the prompt's last K)
+                    return
                 part = slice(seg.offset, seg.offset + seg.length)
                 self._seed(layer, plan.slot_row(i, query.device), params, query[:, :, part], q_pre[:, :, part],
-                           k, v, scale)
+                           k, v, scale, keep=keep)
 
             return plan.attend(layer, query, key, value, scale, each=seed)
         out, _ = fallback(module, query, key, value, attention_mask, scaling=scale, **kwargs)
@@ -185,11 +188,12 @@ class MacAttention(AttentionMethod):
         return out
 
     def _seed(self, layer: int, slots: torch.Tensor, params, query, q_pre, key, value, scale: float,
-              rings=None) -> None:
+              rings=None, keep: int | None = None) -> None:
         """Seed ring rows ``slots [B]`` from a prefill call: ``query / q_pre [B, Hq, T, d]`` at the last
         ``T`` positions of ``key / value [B, Hkv, S, d]``. A fresh prompt (``S == T``) resets and seeds
         whole rows with tensor ops (traceable; ``rings``: the export's explicit ring tensors); a chunk
-        after earlier ones writes its last ``min(K, T)`` positions on top of the row."""
+        after earlier ones writes its last ``min(K, T, keep)`` positions on top of the row (``keep``: how
+        many of them later chunks leave in the ring)."""
         T, S = query.shape[2], key.shape[2]
         if S == T:
             seed_rings_(self._rings(StepContext(rings=rings), layer), slots, query, q_pre, key, value,
@@ -197,7 +201,7 @@ class MacAttention(AttentionMethod):
             if rings is None:
                 self.state.sketch_rows_(layer, slots)
             return
-        n = min(params.window, T)
+        n = min(params.window, T, T if keep is None else keep)
         summ = tail_summaries(query[:, :, T - n:], key, value, band=params.band, scale=scale)
         qpos = torch.arange(S - n, S, device=query.device)
         for b, slot in enumerate(slots.tolist()):
