@@ -173,7 +173,7 @@ class MacAttention(AttentionMethod):
                     return
                 part = slice(seg.offset, seg.offset + seg.length)
                 self._seed(layer, plan.slot_row(i, query.device), params, query[:, :, part], q_pre[:, :, part],
-                           k, v, scale, keep=keep)
+                           k, v, scale, keep=keep, host_slots=[seg.slot])
 
             return plan.attend(layer, query, key, value, scale, each=seed)
         out, _ = fallback(module, query, key, value, attention_mask, scaling=scale, **kwargs)
@@ -188,12 +188,13 @@ class MacAttention(AttentionMethod):
         return out
 
     def _seed(self, layer: int, slots: torch.Tensor, params, query, q_pre, key, value, scale: float,
-              rings=None, keep: int | None = None) -> None:
+              rings=None, keep: int | None = None, host_slots: list[int] | None = None) -> None:
         """Seed ring rows ``slots [B]`` from a prefill call: ``query / q_pre [B, Hq, T, d]`` at the last
         ``T`` positions of ``key / value [B, Hkv, S, d]``. A fresh prompt (``S == T``) resets and seeds
         whole rows with tensor ops (traceable; ``rings``: the export's explicit ring tensors); a chunk
         after earlier ones writes its last ``min(K, T, keep)`` positions on top of the row (``keep``: how
-        many of them later chunks leave in the ring)."""
+        many of them later chunks leave in the ring; ``host_slots``: ``slots`` as ints, where the caller has
+        them, so the host does not wait for the GPU to read them back)."""
         T, S = query.shape[2], key.shape[2]
         if S == T:
             seed_rings_(self._rings(StepContext(rings=rings), layer), slots, query, q_pre, key, value,
@@ -204,7 +205,7 @@ class MacAttention(AttentionMethod):
         n = min(params.window, T, T if keep is None else keep)
         summ = tail_summaries(query[:, :, T - n:], key, value, band=params.band, scale=scale)
         qpos = torch.arange(S - n, S, device=query.device)
-        for b, slot in enumerate(slots.tolist()):
+        for b, slot in enumerate(slots.tolist() if host_slots is None else host_slots):
             self.state.seed(layer, slot, qpos, q_pre[b, :, T - n:], type(summ)(summ.o[b], summ.lse[b]))
 
     def decode(self, module, layer, query, key, value, q_pre, attention_mask, scale, step, fallback, **kwargs):
