@@ -491,30 +491,12 @@ def engine_options(args) -> tuple[dict, dict]:
 
 
 def prewarm_graphs(llm) -> dict:
-    """Capture every decode bucket's graph (greedy; MAC diagnostics as the method has them) before the first
-    request, so no timed request pays a capture. Best effort through ``CudaDecoder``'s own bucket builder and
-    capture (the state it touches is the scratch row only); the JSON records what happened."""
-    dec = getattr(llm.engine.executor, "decoder", None)
-    if dec is None or not getattr(dec, "use_cuda_graphs", False):
-        return {"captured": [], "note": "no CUDA graphs (CPU or eager decode)"}
-    done = []
+    """Capture every decode bucket's greedy step and every prefill bucket's pieces before the first request
+    (``ModelExecutor.prewarm_graphs``), so no timed request pays a capture; the JSON records what happened."""
     try:
-        key = dec.step_key([])                 # greedy; the method's own graph key (what a greedy step replays)
-    except Exception as exc:                   # noqa: BLE001
-        return {"captured": done, "error": f"step_key: {type(exc).__name__}: {exc}"}
-    try:
-        with torch.inference_mode():
-            for nb in dec.sizes:
-                b = dec.buckets.get(nb)
-                if b is None:
-                    b = dec.buckets[nb] = dec._new_bucket(nb)
-                if key not in b.graphs:
-                    dec._capture(b, key)
-                done.append(nb)
-        torch.cuda.synchronize()
-        return {"captured": done, "key": list(key)}
+        return {"captured": llm.engine.executor.prewarm_graphs()}
     except Exception as exc:                                   # noqa: BLE001 - recorded; the first requests capture
-        return {"captured": done, "error": f"{type(exc).__name__}: {exc}"}
+        return {"captured": {}, "error": f"{type(exc).__name__}: {exc}"}
 
 
 class Server:

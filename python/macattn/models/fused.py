@@ -165,9 +165,10 @@ class _FusedLayer(nn.Module):
         self.down = _row_parallel(_Linear(mlp.down_proj.weight, None, quantization), mlp.down_proj)
         self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
 
-    def attention(self, h: torch.Tensor, B: int, T: int, cos: torch.Tensor, sin: torch.Tensor, attention_mask,
-                  kv, kernels: DecodeStepKernels) -> torch.Tensor:
-        """h ``[B T, D]`` (normed) -> attention output after the O projection ``[B T, D]``."""
+    def project(self, h: torch.Tensor, B: int, T: int, cos: torch.Tensor, sin: torch.Tensor, kv,
+                kernels: DecodeStepKernels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h ``[B T, D]`` (normed) -> ``(q [B, Hq, T, d], k, v [B, Hkv, S, d], q_pre [B, T, Hq d])``: the QKV
+        projection, RoPE and the KV update (``k, v``: what the attention reads; ``q_pre``: pre-RoPE)."""
         d, idx = self.head_dim, self.attn.layer_idx
         qkv = self.qkv(h)
         q_pre = qkv[:, :self.q_size].view(B, T, self.q_size)
@@ -191,13 +192,18 @@ class _FusedLayer(nn.Module):
             q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
             if kv is not None:
                 k, v = kv.update(k, v, idx)
+        return q, k, v, q_pre
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pre: torch.Tensor,
+               attention_mask) -> torch.Tensor:
+        """The bound method's attention of ``project``'s outputs -> ``[B T, Hq d]`` (before the O projection)."""
         binding = getattr(self.attn, "_macattn", None)
         if binding is None:
             raise ValueError("FusedForward runs a bound model (macattn.models.attention.bind)")
         if binding.method.capabilities.needs_pre_rope_query:
-            binding.q_pre[idx] = q_pre
+            binding.q_pre[self.attn.layer_idx] = q_pre
         out, _ = attention_forward(self.attn, q, k, v, attention_mask, scaling=self.attn.scaling)
-        return self.o(out.reshape(B * T, -1))
+        return out.reshape(q.shape[0] * q.shape[2], -1)
 
     def mlp(self, h: torch.Tensor, kernels: DecodeStepKernels) -> torch.Tensor:
         return self.down(kernels.silu_mul(self.gate_up(h)))
@@ -237,21 +243,42 @@ class FusedForward(nn.Module):
         """``logits_at [n]`` int64 (indices into the ``B * T`` tokens): the logits ``[n, V]`` of those
         tokens (a packed prefill's last token per request) instead of each row's last position."""
         B, T = input_ids.shape
-        k = self.kernels
+        h, residual, cos, sin = self.begin(input_ids, position_ids)
+        for i, layer in enumerate(self.layers):
+            q, k, v, q_pre = layer.project(h, B, T, cos, sin, past_key_values, self.kernels)
+            h, residual = self.finish_layer(i, layer.attend(q, k, v, q_pre, attention_mask), residual)
+        return self.logits(h, B, T, logits_at)
+
+    # --- the pieces of ``forward`` (``runtime.prefill_graphs`` captures all but the attention) ---------------
+    def begin(self, input_ids: torch.Tensor, position_ids: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``input_ids / position_ids [B, T]`` -> ``(h [B T, D] normed for layer 0, residual [B T, D], cos, sin)``."""
+        B, T = input_ids.shape
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(hidden, position_ids)
-        layers = self.layers
-        first = layers[0].ln1
-        h, residual = k.add_rms_norm(hidden.view(B * T, -1), None, first.weight, first.variance_epsilon)
-        for i, layer in enumerate(layers):
-            a = layer.attention(h, B, T, cos, sin, attention_mask, past_key_values, k)
-            h, residual = k.add_rms_norm(a, residual, layer.ln2.weight, layer.ln2.variance_epsilon)
-            m = layer.mlp(h, k)
-            nxt = layers[i + 1].ln1 if i + 1 < len(layers) else self.norm
-            h, residual = k.add_rms_norm(m, residual, nxt.weight, nxt.variance_epsilon)
+        first = self.layers[0].ln1
+        h, residual = self.kernels.add_rms_norm(hidden.view(B * T, -1), None, first.weight, first.variance_epsilon)
+        return h, residual, cos, sin
+
+    def finish_layer(self, i: int, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i`` after its attention: ``attn_out [B T, Hq d]`` -> O projection, residual, MLP, residual ->
+        ``(h, residual)``, ``h`` normed for the next layer (the final norm after the last)."""
+        k, layers = self.kernels, self.layers
+        layer = layers[i]
+        h, residual = k.add_rms_norm(layer.o(attn_out), residual, layer.ln2.weight, layer.ln2.variance_epsilon)
+        nxt = layers[i + 1].ln1 if i + 1 < len(layers) else self.norm
+        return k.add_rms_norm(layer.mlp(h, k), residual, nxt.weight, nxt.variance_epsilon)
+
+    def logits(self, h: torch.Tensor, B: int, T: int, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """The LM head over final-normed ``h [B T, D]``: each row's last position, or the ``logits_at`` tokens."""
         if logits_at is not None:
             return self.lm_head(h.index_select(0, logits_at))
         return self.lm_head(h.view(B, T, -1)[:, -1])
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this is a tensor-parallel shard (its O / down projections all-reduce over the ranks)."""
+        return any(isinstance(layer.o, _AllReduced) for layer in self.layers)
 
     def weight_bytes(self) -> int:
         """Bytes a decode step streams from the weights: the layers' projections and norms, the final

@@ -199,6 +199,20 @@ class CudaDecoder:
                     b.table_rows[i] = key
         b.inputs.upload()
 
+    @torch.inference_mode()
+    def prewarm(self) -> list[int]:
+        """Capture every bucket's greedy step now (what ``step`` would capture on first use); returns the sizes."""
+        if not self.use_cuda_graphs:
+            return []
+        key = self.step_key([])
+        for nb in self.sizes:
+            b = self.buckets.get(nb)
+            if b is None:
+                b = self.buckets[nb] = self._new_bucket(nb)
+            if key not in b.graphs:
+                self._capture(b, key)
+        return list(self.sizes)
+
     # --- one step --------------------------------------------------------------------------
     def step_key(self, seqs) -> tuple[SamplerVariant, Hashable]:
         """Which captured variant a step of ``seqs`` replays: ``(SamplerVariant of their parameters, the

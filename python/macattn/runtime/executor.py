@@ -34,6 +34,7 @@ from macattn.models.transformers_api import CACHE_KWARG
 from macattn.runtime.block_manager import BlockManager
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.kv_cache import DecodeView, PagedKVCache, PrefillView
+from macattn.runtime.prefill_graphs import PrefillGraphs
 from macattn.runtime.prefix_cache import cache_salt
 from macattn.runtime.sampling import SamplerVariant, SamplingBatch, SamplingRow, TokenCounts, sample_tokens
 from macattn.runtime.sequence import PrefillChunk, Sequence
@@ -102,6 +103,11 @@ class ModelExecutor:
             from macattn.runtime.cuda_decode import CudaDecoder
 
             self.decoder = CudaDecoder(self, use_cuda_graphs=config.use_cuda_graphs)
+        self.prefill_graphs = None
+        if (gpu and config.use_cuda_graphs and self.fused is not None and self.paged_kv and not self.fused.sharded
+                and self.kv.k[0].dtype == self.dtype):     # the fused RoPE + append writes the model's dtype
+            self.prefill_graphs = PrefillGraphs(self.fused, self.kv, pad_row=self.scratch_block * config.block_size,
+                                                needs_q_pre=self.method.capabilities.needs_pre_rope_query)
 
     def _prefix_caching(self, asked: bool | None) -> bool:
         """Whether prefix caching runs (``RuntimeConfig.enable_prefix_caching``: None = where supported);
@@ -126,11 +132,20 @@ class ModelExecutor:
     def num_slots(self) -> int:
         return self.method.num_slots
 
+    def prewarm_graphs(self) -> dict[str, list[int]]:
+        """Capture every CUDA graph the engine would capture on first use — each decode bucket's greedy step and
+        each prefill bucket's pieces — so no request pays a capture. Returns the sizes captured per kind."""
+        decode = self.decoder.prewarm() if self.decoder is not None else []
+        prefill = self.prefill_graphs.prewarm() if self.prefill_graphs is not None else []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return {"decode": decode, "prefill": prefill}
+
     def close(self) -> None:
         """Release the device memory this executor allocated: the KV pool, the fused weights, the decode
-        buckets and their CUDA graphs, the sampler's counts (the method's state goes with the model's
-        binding, ``unbind``). It runs nothing after; a reference to it left anywhere then holds no memory."""
-        self.kv = self.fused = self.decoder = self.token_counts = self.a3 = self.mka = None
+        buckets and the prefill pieces with their CUDA graphs, the sampler's counts (the method's state goes with
+        the model's binding, ``unbind``). It runs nothing after; a reference to it left anywhere then holds no memory."""
+        self.kv = self.fused = self.decoder = self.prefill_graphs = self.token_counts = self.a3 = self.mka = None
 
     def slot_states(self) -> dict:
         """Every per-request state to register with the slot registry: the method's, FastMKA's and the
@@ -251,12 +266,16 @@ class ModelExecutor:
             last.append(len(at) - 1)
             offset += c.num_tokens
         plan = RaggedPrefill(segments, self.kv.k, self.kv.v)
-        view = PrefillView(self.kv, torch.cat(write), cached=chunks[0].start if len(chunks) == 1 else 0)
-        ids_t = torch.tensor(ids, dtype=torch.int64).view(1, -1).to(dev, non_blocking=True)
-        pos_t = torch.cat(pos).view(1, -1).to(dev, non_blocking=True)
+        ids_t, pos_t, rows_t = torch.tensor(ids, dtype=torch.int64), torch.cat(pos), torch.cat(write)
         at_t = torch.tensor(at, dtype=torch.int64).to(dev, non_blocking=True)
+        graphs = self.prefill_graphs
         with self.step(slots=torch.tensor(plan.slots, dtype=torch.int64), prefill=plan):
-            logits = self.run_model(ids_t, pos_t, None, view, logits_at=at_t)
+            if graphs is not None and offset <= graphs.max_tokens:
+                logits = graphs.run(ids_t, pos_t, rows_t, at_t)
+            else:
+                view = PrefillView(self.kv, rows_t, cached=chunks[0].start if len(chunks) == 1 else 0)
+                logits = self.run_model(ids_t.view(1, -1).to(dev, non_blocking=True),
+                                        pos_t.view(1, -1).to(dev, non_blocking=True), None, view, logits_at=at_t)
         for c in chunks:
             c.seq.num_prefilled = c.end
         for c, row in spans:
