@@ -50,7 +50,7 @@ from typing import ClassVar
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_timing import graph_replay_us, replay_us  # noqa: E402
+from cuda_timing import copy_bandwidth, graph_replay_us, replay_us  # noqa: E402
 
 from macattn.methods.base import AttentionMethod, Capabilities, ModelDims  # noqa: E402
 from macattn.methods.full.config import FullConfig  # noqa: E402
@@ -318,17 +318,6 @@ def bytes_needed(shapes, B, context, weights: str) -> int:
                                           + 3 * shapes["hidden_size"] * shapes["intermediate_size"])
     rings = L * B * shapes["num_attention_heads"] * 1024 * (d * 6 + 4)
     return kv + fp8 + rings + (1 << 30)
-
-
-def copy_bandwidth(device, nbytes: int = 1 << 30, reps: int = 20) -> float | None:
-    """Bytes per second a device-to-device copy moves (read + write of ``nbytes``), graph replays."""
-    if device.type != "cuda":
-        return None
-    src, dst = torch.empty(nbytes, dtype=torch.uint8, device=device), torch.empty(nbytes, dtype=torch.uint8, device=device)
-    us = statistics.median(replay_us([lambda: dst.copy_(src)], reps))
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / (us * 1e-6)
 
 
 def annotate(r: dict, copy_bw: float | None, hbm: float | None) -> dict:
