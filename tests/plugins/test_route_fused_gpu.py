@@ -7,6 +7,8 @@ state rows of other slots must stay untouched.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -219,3 +221,35 @@ def test_route_fused_cuda_graph_replay_carries_state():
     assert torch.equal(d_count.cpu(), ref_count)
     assert _rel(d_mean.cpu(), ref_mean) <= 1e-5
     assert _rel(outs[0].cpu(), rk) <= 1e-2
+
+
+def test_route_fused_fp32_dots_take_capped_constants():
+    """fp32 weights (and an fp32 router against bf16 queries) run their dots in IEEE fp32; on the GPU the
+    launcher caps the constants there (``F32_CAPS``: the uncapped tiles spill or overflow shared memory), and the
+    outputs stay the reference's. The interpreter runs every dot in fp32, uncapped."""
+    from macattn.plugins.route_fused.op import F32_CAPS, RouteFusedLaunch, RouteFusedPlan
+
+    big = RouteFusedLaunch(split=256, block_n=64, block_d=256, stages=3, warps=8)   # compiles for bf16 (64 KiB smem)
+    for dtype, router in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)):
+        ins, mean, count, slots = _problem(3, 256, 256, 16, 64, 4, dtype, seed=21, gate=0.7)
+        for name in ("w1", "b1", "w2", "b2", "gate"):
+            ins[name] = ins[name].to(router)
+        up = {k: v.double() for k, v in ins.items()}
+        ref_mean, ref_count = mean.double(), count.clone()
+        rk, _, rlam = route_fused_decode_reference(up["x"], up["q"], up["w1"], up["b1"], up["w2"], up["b2"], up["gate"],
+                                                   ref_mean, ref_count, slots, up["wk"], up["bk"], up["wv"], up["bv"],
+                                                   0, 0.0, compute_dtype=torch.float64)
+        dev = {k: v.to(DEVICE) for k, v in ins.items()}
+        plan = RouteFusedPlan(dev["x"], dev["q"], dev["w1"], dev["b1"], dev["w2"], dev["b2"], dev["gate"],
+                              mean.to(DEVICE, copy=True), count.to(DEVICE, copy=True), slots.to(DEVICE), dev["wk"],
+                              dev["bk"], dev["wv"], dev["bv"], 0, 0.0, launch=big)
+        k, _, lam = plan.run()
+        want = dict(dataclasses.asdict(big))
+        if not INTERPRET:
+            if router != dtype or dtype == torch.float32:
+                want["split"] = min(want["split"], F32_CAPS["route"]["split"])
+            if dtype == torch.float32:
+                want.update({n: min(want[n], c) for n, c in F32_CAPS["project"].items()})
+        assert dataclasses.asdict(plan.launch) == want
+        assert _rel(k.cpu(), rk) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)
+        assert (lam.cpu().double() - rlam).abs().max().item() <= 1e-5

@@ -5,12 +5,12 @@ every weight read as a chain of ~32 dependent loads in one program: latency-boun
 the bytes (the K/V weights, 16 MiB at 8B shapes) floor at ~5.5 µs (``benchmarks/notes/mka_decode.md``).
 Now every input is read once per launch by many programs, in one or a few wide tiles each:
 
-* ``_route_partial_update``: grid ``(n_split,)``; program ``s`` owns columns ``[s*SPLIT, (s+1)*SPLIT)``
+* ``mka_route_partial_update``: grid ``(n_split,)``; program ``s`` owns columns ``[s*SPLIT, (s+1)*SPLIT)``
   of ``q`` and of ``x``. Routing MLP, first layer, split over ``Dq``: ``part[s, b, :] = q[b, cols] .
   w1[:, cols]^T`` for every row ``b`` (fp32 ``[n_split, B, R_P]`` scratch, padded columns 0). Memory
   summary: the L2 rows ``slots[b]`` of ``state_mean`` updated in place on its ``x`` columns (prefix mean
   or EMA, with the count *before* this step; no other program of the launch touches those elements).
-* ``_fuse_project``: grid ``(cdiv(Nk, BLOCK_N) + cdiv(Nv, BLOCK_N), cdiv(B, BLOCK_B))``. Prologue: the
+* ``mka_fuse_project``: grid ``(cdiv(Nk, BLOCK_N) + cdiv(Nv, BLOCK_N), cdiv(B, BLOCK_B))``. Prologue: the
   routing finished for its rows (``sum_s part`` in a fixed order, so every program gets the same bits;
   silu, ``w2``, softmax over 3, gate) -> ``lam``; the programs of the first output block store ``lam``
   and ``state_count[slot] += 1``. Main loop over ``D``: ``f = lam1 x + lam2 L2`` formed in registers from
@@ -29,11 +29,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["_route_partial_update", "_fuse_project"]
+__all__ = ["mka_route_partial_update", "mka_fuse_project"]
 
 
 @triton.jit
-def _route_partial_update(x_ptr, q_ptr, w1_ptr, mean_ptr, count_ptr, slots_ptr, part_ptr, B, D, DQ, R, beta,
+def mka_route_partial_update(x_ptr, q_ptr, w1_ptr, mean_ptr, count_ptr, slots_ptr, part_ptr, B, D, DQ, R, beta,
                           MODE: tl.constexpr, R_P: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT: tl.constexpr,
                           DOT_F32: tl.constexpr):
     s = tl.program_id(0)
@@ -69,7 +69,7 @@ def _route_partial_update(x_ptr, q_ptr, w1_ptr, mean_ptr, count_ptr, slots_ptr, 
 
 
 @triton.jit
-def _project_block(x_ptr, mean_ptr, slot, rows, bm, lam1, lam2, w_ptr, bias_ptr, out_ptr, n0, N, D,
+def mka_project_block(x_ptr, mean_ptr, slot, rows, bm, lam1, lam2, w_ptr, bias_ptr, out_ptr, n0, N, D,
                    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr):
     """``out[rows, n0:n0+BLOCK_N] = (lam1 x + lam2 L2)[rows] . w[n]^T + bias[n]`` (fp32 accumulation)."""
     n = n0 + tl.arange(0, BLOCK_N)
@@ -93,7 +93,7 @@ def _project_block(x_ptr, mean_ptr, slot, rows, bm, lam1, lam2, w_ptr, bias_ptr,
 
 
 @triton.jit
-def _fuse_project(x_ptr, mean_ptr, count_ptr, slots_ptr, part_ptr, b1_ptr, w2_ptr, b2_ptr, gate_ptr,
+def mka_fuse_project(x_ptr, mean_ptr, count_ptr, slots_ptr, part_ptr, b1_ptr, w2_ptr, b2_ptr, gate_ptr,
                   wk_ptr, bk_ptr, wv_ptr, bv_ptr, k_ptr, v_ptr, lam_ptr, B, D, R, NK, NV, NSPLIT,
                   R_P: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr):
@@ -131,8 +131,8 @@ def _fuse_project(x_ptr, mean_ptr, count_ptr, slots_ptr, part_ptr, b1_ptr, w2_pt
     # fused K/V: blocks of wk first, then of wv
     nkb = tl.cdiv(NK, BLOCK_N)
     if pn < nkb:
-        _project_block(x_ptr, mean_ptr, slot, rows, bm, lam1, lam2, wk_ptr, bk_ptr, k_ptr, pn * BLOCK_N, NK, D,
+        mka_project_block(x_ptr, mean_ptr, slot, rows, bm, lam1, lam2, wk_ptr, bk_ptr, k_ptr, pn * BLOCK_N, NK, D,
                        BLOCK_B, BLOCK_N, BLOCK_D, DOT_F32)
     else:
-        _project_block(x_ptr, mean_ptr, slot, rows, bm, lam1, lam2, wv_ptr, bv_ptr, v_ptr, (pn - nkb) * BLOCK_N, NV,
+        mka_project_block(x_ptr, mean_ptr, slot, rows, bm, lam1, lam2, wv_ptr, bv_ptr, v_ptr, (pn - nkb) * BLOCK_N, NV,
                        D, BLOCK_B, BLOCK_N, BLOCK_D, DOT_F32)

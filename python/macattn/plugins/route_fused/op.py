@@ -1,14 +1,15 @@
 """CUDA implementation of ``macattn::route_fused_attention`` (registered by
 ``macattn.methods.mka.ops.register_cuda_kernels``; the JIT impl of the ``mac::route_fused`` plugin).
 
-Two launches (``kernel.py``): ``_route_partial_update`` (routing MLP split over ``Dq`` + the memory
-summary update) and ``_fuse_project`` (routing finished, ``f`` formed in registers, K and V projected in
+Two launches (``kernel.py``): ``mka_route_partial_update`` (routing MLP split over ``Dq`` + the memory
+summary update) and ``mka_fuse_project`` (routing finished, ``f`` formed in registers, K and V projected in
 one grid). ``RouteFusedLaunch`` holds the launch constants (swept by ``benchmarks/bench_mka_decode.py
 --sweep``); ``RouteFusedPlan`` is one call's shapes, scratch and grids, its two launches callable one by
 one (the benchmark's per-kernel profile).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ import triton
 from ..aot import destination
 from ..triton_util import interpreting
 from .checks import check_route_fused_inputs
-from .kernel import _fuse_project, _route_partial_update
+from .kernel import mka_fuse_project, mka_route_partial_update
 
 __all__ = ["RouteFusedLaunch", "DEFAULT_LAUNCH", "RouteFusedPlan", "route_fused_attention_triton"]
 
@@ -34,11 +35,17 @@ def _pow2(name: str, v: int, lo: int) -> None:
 class RouteFusedLaunch:
     """Launch constants of the two kernels.
 
-    split: ``q`` / ``x`` columns per program of ``_route_partial_update`` (grid ``cdiv(max(D, Dq), split)``);
-    route_warps: its warps. block_n: K/V outputs per program of ``_fuse_project`` (grid
+    split: ``q`` / ``x`` columns per program of ``mka_route_partial_update`` (grid ``cdiv(max(D, Dq), split)``);
+    route_warps: its warps. block_n: K/V outputs per program of ``mka_fuse_project`` (grid
     ``cdiv(Nk, block_n) + cdiv(Nv, block_n)`` by row blocks); block_d: its ``D`` step; warps / stages: its
     warps and software-pipeline depth. max_block_b: most request rows per program (rows are padded to
-    16, the tensor cores' smallest M); s_block: partial sums reduced per step of the routing prologue.
+    16, the tensor cores' smallest M; 32 spills at the default block_d on sm_90a); s_block: partial sums
+    reduced per step of the routing prologue. A kernel whose dot runs in IEEE fp32 takes these capped by
+    ``F32_CAPS`` (``RouteFusedPlan.launch`` is what ran).
+
+    The default (sm_90a, Triton 3.9, bf16, 8B shapes): ``mka_fuse_project`` 255 registers, no spills, 96 KiB of
+    shared memory for 4 stages; ``mka_route_partial_update`` 158 registers (``ptxas -v``; the table is in
+    ``benchmarks/notes/mka_decode.md``).
     """
 
     split: int = 128
@@ -47,7 +54,7 @@ class RouteFusedLaunch:
     block_d: int = 256
     warps: int = 4
     stages: int = 4
-    max_block_b: int = 32
+    max_block_b: int = 16
     s_block: int = 8
 
     def __post_init__(self):
@@ -61,11 +68,21 @@ class RouteFusedLaunch:
 DEFAULT_LAUNCH = RouteFusedLaunch()
 
 
-def _dot_f32(*dtypes: torch.dtype) -> bool:
-    """Whether a dot over these operand dtypes takes the IEEE fp32 path: any fp32 operand, two different
-    half types, or Triton's interpreter (its bf16 ``tl.dot`` is wrong); else the tensor cores on one half
-    type, whose products fp32 holds exactly."""
-    return interpreting() or not (len(set(dtypes)) == 1 and dtypes[0] in _HALVES)
+# Caps on the constants where a kernel's dot runs in IEEE fp32 on the GPU (fp32 weights, or the patched model's fp32
+# router against bf16 queries): its operands take 2x the registers and shared memory (sm_90a, Triton 3.9: the
+# route kernel spills 4 KiB at split 128, the projection asks 288 KiB of shared memory at block_d 256 x 4 stages)
+F32_CAPS = {"route": dict(split=64), "project": dict(block_n=32, block_d=128, stages=2)}
+
+
+def _needs_f32(*dtypes: torch.dtype) -> bool:
+    """Whether a dot over operands of these dtypes must run in IEEE fp32: any fp32 operand, or two different
+    half types; else the tensor cores on one half type (fp32 holds their products exactly)."""
+    return not (len(set(dtypes)) == 1 and dtypes[0] in _HALVES)
+
+
+def _capped(launch: RouteFusedLaunch, kernel: str) -> RouteFusedLaunch:
+    caps = F32_CAPS[kernel]
+    return dataclasses.replace(launch, **{k: min(getattr(launch, k), v) for k, v in caps.items()})
 
 
 class RouteFusedPlan:
@@ -96,12 +113,18 @@ class RouteFusedPlan:
         self.x, self.q, self.w1, self.w2, self.wk, self.wv = (t.contiguous() for t in (x, q, w1, w2, wk, wv))
         self.b1, self.b2, self.gate, self.bk, self.bv = b1, b2, gate, bk, bv
         self.state_mean, self.state_count, self.slots = state_mean, state_count, slots
+        route_f32, proj_f32 = _needs_f32(self.q.dtype, self.w1.dtype), _needs_f32(self.wk.dtype, self.wv.dtype)
+        # the interpreter's bf16 tl.dot is wrong (triton_util.interpreting): every dot in fp32 there, uncapped
+        self.route_f32, self.proj_f32 = route_f32 or interpreting(), proj_f32 or interpreting()
+        if not interpreting():
+            for kernel, f32 in (("route", route_f32), ("project", proj_f32)):
+                if f32:
+                    lc = _capped(lc, kernel)
+            self.launch = lc
         self.r_p = max(triton.next_power_of_2(self.R), 16)
         self.n_split = triton.cdiv(max(D, self.Dq), lc.split)
         self.block_b = min(max(triton.next_power_of_2(max(B, 1)), 16), lc.max_block_b)
         self.part = _alloc(self.n_split, B, self.r_p, dtype=torch.float32, device=dev) if B else None
-        self.route_f32 = _dot_f32(self.q.dtype, self.w1.dtype)
-        self.proj_f32 = _dot_f32(self.wk.dtype, self.wv.dtype)
 
     @property
     def grids(self) -> dict[str, tuple[int, int]]:
@@ -114,7 +137,7 @@ class RouteFusedPlan:
         """Launch 1: routing partial sums over ``Dq`` and the summary rows updated in place."""
         if self.B == 0:
             return
-        _route_partial_update[self.grids["route_update"][:1]](
+        mka_route_partial_update[self.grids["route_update"][:1]](
             self.x, self.q, self.w1, self.state_mean, self.state_count, self.slots, self.part, self.B, self.D,
             self.Dq, self.R, self.beta, MODE=self.mode, R_P=self.r_p, BLOCK_B=self.block_b, SPLIT=self.launch.split,
             DOT_F32=self.route_f32, num_warps=self.launch.route_warps)
@@ -124,7 +147,7 @@ class RouteFusedPlan:
         if self.B == 0:
             return
         lc = self.launch
-        _fuse_project[self.grids["fuse_project"]](
+        mka_fuse_project[self.grids["fuse_project"]](
             self.x, self.state_mean, self.state_count, self.slots, self.part, self.b1, self.w2, self.b2, self.gate,
             self.wk, self.bk, self.wv, self.bv, self.k, self.v, self.lam, self.B, self.D, self.R, self.Nk, self.Nv,
             self.n_split, R_P=self.r_p, S_BLOCK=min(lc.s_block, triton.next_power_of_2(self.n_split)),
