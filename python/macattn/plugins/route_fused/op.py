@@ -71,7 +71,7 @@ DEFAULT_LAUNCH = RouteFusedLaunch()
 # Caps on the constants where a kernel's dot runs in IEEE fp32 on the GPU (fp32 weights, or the patched model's fp32
 # router against bf16 queries): its operands take 2x the registers and shared memory (sm_90a, Triton 3.9: the
 # route kernel spills 4 KiB at split 128, the projection asks 288 KiB of shared memory at block_d 256 x 4 stages)
-F32_CAPS = {"route": dict(split=64), "project": dict(block_n=32, block_d=128, stages=2)}
+F32_CAPS = {"route": dict(split=64), "project": dict(block_n=16, block_d=128, stages=2)}
 
 
 def _needs_f32(*dtypes: torch.dtype) -> bool:
