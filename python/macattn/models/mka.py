@@ -54,7 +54,6 @@ class MkaContext:
     _q: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _fused: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     _op: dict[int, tuple] = field(default_factory=dict, repr=False)            # the op's (x, (k, v)) of a call
-    _zeros: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def bind_runtime(self, state, binding) -> None:
         """Keep the session summary in runtime-owned ``state`` rows; each call's rows are the
@@ -143,15 +142,11 @@ def _fuse_input(ctx: MkaContext, layer: int, attn):
     return hook
 
 
-def _zero_bias(ctx: MkaContext, layer: int, which: int, lin) -> torch.Tensor:
-    """``lin``'s bias, or zeros ``[out_features]`` made once per layer (not one allocation per step)."""
-    if lin.bias is not None:
-        return lin.bias
-    key = (layer, which)
-    z = ctx._zeros.get(key)
-    if z is None or z.dtype != lin.weight.dtype or z.device != lin.weight.device:
-        z = ctx._zeros[key] = torch.zeros(lin.out_features, dtype=lin.weight.dtype, device=lin.weight.device)
-    return z
+def _bias(attn, which: int) -> torch.Tensor:
+    """``k_proj`` / ``v_proj``'s bias, or the zeros ``patch_mka`` registered for one that has none (a buffer of
+    ``attn.mka``: it follows the model's ``.to()``, and is never allocated inside a captured step)."""
+    lin = (attn.k_proj, attn.v_proj)[which]
+    return lin.bias if lin.bias is not None else getattr(attn.mka, ("zero_bk", "zero_bv")[which])
 
 
 def _op_kv(ctx: MkaContext, layer: int, attn, x: torch.Tensor) -> None:
@@ -171,8 +166,8 @@ def _op_kv(ctx: MkaContext, layer: int, attn, x: torch.Tensor) -> None:
         sm, sc, slots = ctx.mean[layer], ctx.count[layer], torch.arange(B, device=x.device)
     k, v, lam = torch.ops.macattn.route_fused_attention(
         x[:, 0], ctx._q[layer][:, 0], r.w1, r.b1, r.w2, r.b2, r.gate, sm, sc, slots,
-        attn.k_proj.weight, _zero_bias(ctx, layer, 0, attn.k_proj), attn.v_proj.weight,
-        _zero_bias(ctx, layer, 1, attn.v_proj), ctx.config.mode, float(ctx.config.ema_beta))
+        attn.k_proj.weight, _bias(attn, 0), attn.v_proj.weight, _bias(attn, 1), ctx.config.mode,
+        float(ctx.config.ema_beta))
     ctx.last_lambda[layer] = lam.unsqueeze(1)
     ctx._op[layer] = (x, (k.unsqueeze(1), v.unsqueeze(1)))
 
@@ -204,6 +199,9 @@ def patch_mka(model, config: MkaConfig | None = None) -> MkaContext:
     for layer, block in enumerate(model.model.layers):
         attn = block.self_attn
         fu = MkaFusion(attn.q_proj.out_features, config, layer).to(device)
+        for name, lin in (("zero_bk", attn.k_proj), ("zero_bv", attn.v_proj)):   # the op's bias where there is none
+            fu.register_buffer(name, torch.zeros(lin.out_features, dtype=lin.weight.dtype, device=device),
+                               persistent=False)
         attn.mka = fu
         ctx.fusions.append(fu)
         ctx.handles += [
