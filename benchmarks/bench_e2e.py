@@ -5,6 +5,7 @@ one CUDA graph per batch bucket, timed as graph replays.
     python benchmarks/bench_e2e.py                       # H100: B in {1, 2, 4} x {32K, 128K} where it fits
     python benchmarks/bench_e2e.py --grid 4x131072       # H200: the point that needs its memory
     python benchmarks/bench_e2e.py --paths hf_compile    # the torch.compile peer alone
+    python benchmarks/bench_e2e.py --paths full full_hf mka_full mka_mac --weights bf16 --hit-rates 1   # FastMKA
     python benchmarks/bench_e2e.py --dry-run             # CPU, tiny shapes: checks the script runs
 
 Requests are admitted through the engine's scheduler (slots, KV blocks) and their ``context`` tokens
@@ -22,6 +23,12 @@ decodes the token at position ``m = context``. Paths (the attention inside the s
   measured hit rate (the kernels' own ``match_pos``) is reported.
 * ``flashinfer``: FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores) over the same
   paged pool (``(k, v)`` pages, NHD), planned once for the requests' block tables.
+* ``full_hf``: ``full`` through the model's own transformers forward (``RuntimeConfig(fused_weights=False)``:
+  separate Q/K/V and gate/up projections), the forward a FastMKA-patched model runs: the baseline of the
+  two FastMKA paths.
+* ``mka_full`` / ``mka_mac@p``: the model patched with FastMKA (``patch_mka``, gate ``MKA_GATE``), composed
+  with full attention / with MAC (hit rates as for ``mac``): each layer's routing, session summary and fused
+  K/V through ``macattn::route_fused_attention`` inside the captured step.
 * ``hf_compile``: the peer for the whole step: the unmodified transformers model with SDPA and a
   ``StaticCache`` of ``context + 16`` random positions under ``torch.compile(mode="max-autotune-no-cudagraphs")``,
   captured in a CUDA graph by this script (the same replay timing as ours).
@@ -37,6 +44,7 @@ under ``benchmarks/results/``; a table is printed. ``--append`` adds to an exist
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import platform
@@ -50,12 +58,14 @@ from typing import ClassVar
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_timing import graph_replay_us, replay_us  # noqa: E402
+from cuda_timing import copy_bandwidth, graph_replay_us, replay_us  # noqa: E402
 
 from macattn.methods.base import AttentionMethod, Capabilities, ModelDims  # noqa: E402
 from macattn.methods.full.config import FullConfig  # noqa: E402
 from macattn.models.transformers_api import CACHE_KWARG  # noqa: E402
 from macattn.methods.mac.config import MacConfig  # noqa: E402
+from macattn.methods.mka.config import MkaConfig  # noqa: E402
+from macattn.models.mka import patch_mka, unpatch_mka  # noqa: E402
 from macattn.models.attention import unbind  # noqa: E402
 from macattn.runtime.config import RuntimeConfig  # noqa: E402
 from macattn.runtime.engine import LLMEngine  # noqa: E402
@@ -67,7 +77,9 @@ TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_l
             num_key_value_heads=2, head_dim=32, rope_theta=10000.0, max_position_embeddings=4096,
             tie_word_embeddings=False)
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
-PATHS = ("no_attention", "full", "mac", "flashinfer", "hf_compile")
+DEFAULT_PATHS = ("no_attention", "full", "mac", "flashinfer", "hf_compile")
+PATHS = DEFAULT_PATHS + ("full_hf", "mka_full", "mka_mac")      # the last three: --paths (issue 38's grid)
+MKA_GATE = 0.5          # the FastMKA paths' routing gate: L1 and L2 both weigh in (0 would be the plain model)
 
 
 # --- the bench-only attention paths (AttentionMethod subclasses handed to the engine) ------------
@@ -120,9 +132,14 @@ def build_model(shapes: dict, dtype, device):
 def make_engine(model, path: str, B: int, context: int, weights: str, args, device) -> LLMEngine:
     rc = RuntimeConfig(max_batch_size=B, max_seq_len=context + 64, device=str(device),
                        use_cuda_graphs=device.type == "cuda", quantization="fp8" if weights == "fp8" else None)
-    if path == "mac":
-        return LLMEngine(model, MacConfig(window=args.window, band=args.band, tau=args.tau), rc)
-    if path == "full":
+    mac = MacConfig(window=args.window, band=args.band, tau=args.tau)
+    if path.startswith("mka_"):
+        patch_mka(model, MkaConfig()).set_gate(MKA_GATE)
+    if path in ("full_hf", "mka_full", "mka_mac"):
+        rc = dataclasses.replace(rc, fused_weights=False)
+    if path in ("mac", "mka_mac"):
+        return LLMEngine(model, mac, rc)
+    if path in ("full", "full_hf", "mka_full"):
         return LLMEngine(model, None, rc, method="full")
     cls = {"no_attention": NoAttention, "flashinfer": FlashInferAttention}[path]
     return LLMEngine(model, None, rc, method=lambda n: cls(FullConfig(), ModelDims.of(model), num_slots=n))
@@ -231,9 +248,9 @@ def _summary(us: list[float]) -> dict:
 
 def run_path(model, path: str, B: int, context: int, weights: str, args, device, flashinfer) -> list[dict]:
     base = {"path": path, "weights": weights, "batch": B, "context": context}
-    eng = make_engine(model, path, B, context, weights, args, device)
     rows = []
     try:
+        eng = make_engine(model, path, B, context, weights, args, device)
         seqs = admit_synthetic(eng, B, context)
         ex = eng.executor
         base["weight_bytes"] = ex.fused.weight_bytes() if ex.fused is not None else None
@@ -241,7 +258,7 @@ def run_path(model, path: str, B: int, context: int, weights: str, args, device,
             ex.head_dim * ex.kv.k[0].element_size()
         if path == "flashinfer":
             eng.method.plan(flashinfer, seqs, eng.config.block_size)
-        if path != "mac":
+        if path not in ("mac", "mka_mac"):
             us, _ = time_step(eng, seqs, args.reps)
             rows.append({**base, **_summary(us), **user_step_us(eng, seqs, args.reps)} if us else
                         {**base, "note": "no graph (CPU dry run)"})
@@ -252,7 +269,7 @@ def run_path(model, path: str, B: int, context: int, weights: str, args, device,
             for draw in range(draws):
                 seed_rings(eng, seqs, rate, args.gap, gen)
                 us, hits = time_step(eng, seqs, args.reps)
-                rec = {**base, "path": f"mac@{rate:g}", "hit_rate_target": rate, "draw": draw,
+                rec = {**base, "path": f"{path}@{rate:g}", "hit_rate_target": rate, "draw": draw,
                        "window": args.window, "band": args.band, "tau": args.tau, "gap": args.gap}
                 if hits is not None:
                     rec["hit_rate_measured"] = float(hits.float().mean())
@@ -262,8 +279,12 @@ def run_path(model, path: str, B: int, context: int, weights: str, args, device,
                 print(json.dumps(rows[-1]), flush=True)
         return rows
     finally:
-        unbind(eng.executor.model)
-        del eng
+        if "eng" in locals():
+            unbind(eng.executor.model)
+            eng.executor.close()
+            del eng
+        if getattr(model, "_mka_ctx", None) is not None:
+            unpatch_mka(model)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -320,17 +341,6 @@ def bytes_needed(shapes, B, context, weights: str) -> int:
     return kv + fp8 + rings + (1 << 30)
 
 
-def copy_bandwidth(device, nbytes: int = 1 << 30, reps: int = 20) -> float | None:
-    """Bytes per second a device-to-device copy moves (read + write of ``nbytes``), graph replays."""
-    if device.type != "cuda":
-        return None
-    src, dst = torch.empty(nbytes, dtype=torch.uint8, device=device), torch.empty(nbytes, dtype=torch.uint8, device=device)
-    us = statistics.median(replay_us([lambda: dst.copy_(src)], reps))
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / (us * 1e-6)
-
-
 def annotate(r: dict, copy_bw: float | None, hbm: float | None) -> dict:
     """Bytes a path must stream per step (weights; + every KV for ``full`` / ``flashinfer``) and the
     fraction of the copy bandwidth and of the nominal HBM bandwidth that the step time reaches."""
@@ -369,7 +379,8 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = ["no_attention", "mac@1", "mac@0.99", "mac@0.9", "mac@0.5", "full", "flashinfer", "hf_compile"]
+    shown = ["no_attention", "mac@1", "mac@0.99", "mac@0.9", "mac@0.5", "full", "flashinfer", "hf_compile", "full_hf",
+             "mka_full", "mka_mac@1"]
     med: dict[tuple, list[float]] = {}
     for r in report["rows"]:
         if "step_us_median" in r:
@@ -414,7 +425,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: checks the script")
     ap.add_argument("--grid", nargs="+", default=None, help="BxCTX points (default 1x32768 2x32768 4x32768 "
                                                             "1x131072 2x131072 4x131072; dry: 1x128 2x128)")
-    ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    ap.add_argument("--paths", nargs="+", default=list(DEFAULT_PATHS), choices=PATHS)
     ap.add_argument("--weights", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     ap.add_argument("--fp8-paths", nargs="+", default=["no_attention", "full", "mac", "flashinfer"])
     ap.add_argument("--hit-rates", type=float, nargs="+", default=[1.0, 0.99, 0.9, 0.5])
@@ -520,7 +531,7 @@ def main(argv=None) -> int:
                         r["cuda_allocated_gib_after"] = torch.cuda.memory_allocated() / 2**30
                 for r in got:
                     annotate(r, copy_bw, hbm)
-                    if not r["path"].startswith("mac@"):
+                    if "@" not in r["path"]:
                         print(json.dumps({k: v for k, v in r.items() if k != "trace"}), flush=True)
                 rows += got
                 save(rows)

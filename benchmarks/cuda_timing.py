@@ -6,7 +6,7 @@ import statistics
 
 import torch
 
-__all__ = ["replay_us", "graph_replay_us", "time_graph"]
+__all__ = ["replay_us", "graph_replay_us", "time_graph", "copy_bandwidth"]
 
 
 def replay_us(fns, reps: int, warmup: int = 3, eager: int = 1) -> list[float]:
@@ -50,3 +50,14 @@ def graph_replay_us(graph: torch.cuda.CUDAGraph, reps: int, warmup: int = 3) -> 
 def time_graph(fn, reps: int, warmup: int = 3) -> float:
     """Median µs per replay of ``fn`` captured alone (``warmup`` eager calls and untimed replays)."""
     return statistics.median(replay_us([fn], reps, warmup, eager=warmup))
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30, reps: int = 20) -> float | None:
+    """Bytes per second a device-to-device copy moves (read + write of ``nbytes``), graph replays."""
+    if device.type != "cuda":
+        return None
+    src, dst = torch.empty(nbytes, dtype=torch.uint8, device=device), torch.empty(nbytes, dtype=torch.uint8, device=device)
+    us = statistics.median(replay_us([lambda: dst.copy_(src)], reps))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (us * 1e-6)

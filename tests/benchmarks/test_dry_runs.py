@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
     ("bench_tp.py", "step ms"),
     ("bench_offload.py", "offloaded = reference: yes"),
     ("eval_calibrated_threshold.py", "skip at equal agreement"),
+    ("bench_mka_decode.py", "step / base"),
 ])
 def test_benchmark_dry_run(script, expect):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--dry-run"], cwd=ROOT,

@@ -43,3 +43,34 @@ def test_session_summary_is_per_request_and_reset_on_reuse():
     for m, c in zip(state.mean, state.count):   # released slots are empty again
         assert torch.count_nonzero(m) == 0 and torch.count_nonzero(c) == 0
     assert batched != _generate(_engine(0.0, 2), ps), "gate 0.9 should change the outputs"
+
+
+def test_decode_through_the_op_equals_the_modules():
+    """``MkaContext.use_op`` (what the GPU executor turns on): a decode step's routing, summary and K/V come
+    from ``route_fused_attention`` and the model's own K/V projections run over no tokens; the engine's
+    tokens and logits are those of the modules' path (fp32: the CPU op is the same reference math)."""
+    ps = prompts(5, seed=6)
+
+    def run(use_op: bool):
+        model = tiny_model("llama", seed=2).float()
+        ctx = patch_mka(model, MkaConfig(summary="ema", ema_beta=0.8, seed=3))
+        ctx.set_gate(0.9)
+        ctx.use_op = use_op
+        calls = []
+        hook = model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[1]))
+        eng = LLMEngine(model, MAC, RuntimeConfig(max_batch_size=2, max_seq_len=128))
+        ids = [eng.add_request(p, max_new_tokens=6) for p in ps]
+        logits = {i: [] for i in ids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                assert o.error is None, o.error
+                if o.logits is not None:
+                    logits[o.request_id].append(o.logits)
+        hook.remove()
+        return [eng.pop_finished(i).output for i in ids], [torch.stack(logits[i]) for i in ids], calls
+
+    mods, op = run(False), run(True)
+    assert op[0] == mods[0]
+    for a, b in zip(op[1], mods[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert 0 not in mods[2] and 0 in op[2]      # decode steps projected no token through k_proj

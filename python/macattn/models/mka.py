@@ -11,9 +11,10 @@ three hooks:
   memory ``f`` (computed once per call and shared), so the model's own K/V projection, RoPE,
   cache and attention run unchanged on ``f``: ordinary causal attention over fused K/V.
   With ``MkaContext.use_op`` a decode call (one token) instead takes ``k``/``v`` from
-  ``torch.ops.macattn.route_fused_attention`` (routing + L2 update + projection in one op;
-  the hooks replace the projections' outputs, so this path is for checking the op in a real
-  model, not for speed — the runtime calls the op directly).
+  ``torch.ops.macattn.route_fused_attention`` (routing + L2 update + projection in one op): the
+  pre-hooks hand ``k_proj`` / ``v_proj`` the call's tokens ``[:, :0]`` (they project nothing, no
+  weight is read twice) and their forward hooks return the op's ``k`` / ``v``. The runtime's
+  GPU executor turns it on, so its captured decode step runs the op.
 
 The L2 state (``[B, D]`` fp32 mean and ``[B]`` int64 count per layer) lives in the
 ``MkaContext`` and is carried between calls of one generation (HF-style use), or, when
@@ -52,6 +53,7 @@ class MkaContext:
     binding: object | None = None        # the runtime's ModelBinding: rows come from its StepContext
     _q: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _fused: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _op: dict[int, tuple] = field(default_factory=dict, repr=False)            # the op's (x, (k, v)) of a call
 
     def bind_runtime(self, state, binding) -> None:
         """Keep the session summary in runtime-owned ``state`` rows; each call's rows are the
@@ -93,12 +95,14 @@ def _attn_pre(ctx: MkaContext, layer: int, hidden_size: int):
             ctx.mean[layer] = torch.zeros(B, hidden_size, dtype=torch.float32, device=x.device)
             ctx.count[layer] = torch.zeros(B, dtype=torch.int64, device=x.device)
         ctx._fused.pop(layer, None)
+        ctx._op.pop(layer, None)
     return hook
 
 
 def _attn_post(ctx: MkaContext, layer: int):
     def hook(module, args, kwargs, output):
         ctx._fused.pop(layer, None)
+        ctx._op.pop(layer, None)
         ctx._q.pop(layer, None)
     return hook
 
@@ -113,14 +117,15 @@ def _op_mode(ctx: MkaContext, x: torch.Tensor) -> bool:
     return ctx.use_op and x.shape[1] == 1
 
 
-def _fuse_input(ctx: MkaContext, layer: int):
+def _fuse_input(ctx: MkaContext, layer: int, attn):
     def hook(module, args):
         x = args[0]
         if _op_mode(ctx, x):
-            return None
+            _op_kv(ctx, layer, attn, x)
+            return (x[:, :0],) + tuple(args[1:])     # the projection runs over no tokens: the op made k / v
         hit = ctx._fused.get(layer)
         if hit is not None and hit[0] is x:
-            return (hit[1],)
+            return (hit[1],) + tuple(args[1:])
         q = ctx._q[layer]
         if ctx.state is not None:
             sm, sc = ctx.state.layer(layer)
@@ -137,32 +142,41 @@ def _fuse_input(ctx: MkaContext, layer: int):
     return hook
 
 
-def _op_output(ctx: MkaContext, layer: int, attn, which: int):
+def _bias(attn, which: int) -> torch.Tensor:
+    """``k_proj`` / ``v_proj``'s bias, or the zeros ``patch_mka`` registered for one that has none (a buffer of
+    ``attn.mka``: it follows the model's ``.to()``, and is never allocated inside a captured step)."""
+    lin = (attn.k_proj, attn.v_proj)[which]
+    return lin.bias if lin.bias is not None else getattr(attn.mka, ("zero_bk", "zero_bv")[which])
+
+
+def _op_kv(ctx: MkaContext, layer: int, attn, x: torch.Tensor) -> None:
+    """``ctx._op[layer] = (x, (k [B, 1, Nk], v [B, 1, Nv]))`` from ``route_fused_attention``, once per call
+    (the first of the k_proj / v_proj pre-hooks computes it; the state advances once)."""
+    hit = ctx._op.get(layer)
+    if hit is not None and hit[0] is x:
+        return
+    if ctx.config.l3:
+        raise NotImplementedError("route_fused_attention has no L3 path; set use_op=False")
+    from macattn.methods.mka import ops as ops_mka  # noqa: F401  (registers the op)
+    r = ctx.fusions[layer].router
+    B = x.shape[0]
+    if ctx.state is not None:
+        (sm, sc), slots = ctx.state.layer(layer), ctx.rows().to(x.device)
+    else:
+        sm, sc, slots = ctx.mean[layer], ctx.count[layer], torch.arange(B, device=x.device)
+    k, v, lam = torch.ops.macattn.route_fused_attention(
+        x[:, 0], ctx._q[layer][:, 0], r.w1, r.b1, r.w2, r.b2, r.gate, sm, sc, slots,
+        attn.k_proj.weight, _bias(attn, 0), attn.v_proj.weight, _bias(attn, 1), ctx.config.mode,
+        float(ctx.config.ema_beta))
+    ctx.last_lambda[layer] = lam.unsqueeze(1)
+    ctx._op[layer] = (x, (k.unsqueeze(1), v.unsqueeze(1)))
+
+
+def _op_output(ctx: MkaContext, layer: int, which: int):
     def hook(module, args, output):
-        x = args[0]
-        if not _op_mode(ctx, x):
+        hit = ctx._op.get(layer)
+        if hit is None or args[0].shape[1] != 0:
             return None
-        hit = ctx._fused.get(layer)
-        if hit is None or hit[0] is not x:
-            if ctx.config.l3:
-                raise NotImplementedError("route_fused_attention has no L3 path; set use_op=False")
-            from macattn.methods.mka import ops as ops_mka  # noqa: F401  (registers the op)
-            r = ctx.fusions[layer].router
-            B = x.shape[0]
-            zeros = lambda lin: torch.zeros(lin.out_features, dtype=lin.weight.dtype, device=x.device)  # noqa: E731
-            bk = attn.k_proj.bias if attn.k_proj.bias is not None else zeros(attn.k_proj)
-            bv = attn.v_proj.bias if attn.v_proj.bias is not None else zeros(attn.v_proj)
-            if ctx.state is not None:
-                (sm, sc), slots = ctx.state.layer(layer), ctx.rows().to(x.device)
-            else:
-                sm, sc, slots = ctx.mean[layer], ctx.count[layer], torch.arange(B, device=x.device)
-            k, v, lam = torch.ops.macattn.route_fused_attention(
-                x[:, 0], ctx._q[layer][:, 0], r.w1, r.b1, r.w2, r.b2, r.gate, sm, sc,
-                slots, attn.k_proj.weight, bk, attn.v_proj.weight, bv,
-                ctx.config.mode, float(ctx.config.ema_beta))
-            ctx.last_lambda[layer] = lam.unsqueeze(1)
-            hit = (x, (k.unsqueeze(1), v.unsqueeze(1)))
-            ctx._fused[layer] = hit
         return hit[1][which].to(output.dtype)
     return hook
 
@@ -185,16 +199,19 @@ def patch_mka(model, config: MkaConfig | None = None) -> MkaContext:
     for layer, block in enumerate(model.model.layers):
         attn = block.self_attn
         fu = MkaFusion(attn.q_proj.out_features, config, layer).to(device)
+        for name, lin in (("zero_bk", attn.k_proj), ("zero_bv", attn.v_proj)):   # the op's bias where there is none
+            fu.register_buffer(name, torch.zeros(lin.out_features, dtype=lin.weight.dtype, device=device),
+                               persistent=False)
         attn.mka = fu
         ctx.fusions.append(fu)
         ctx.handles += [
             attn.register_forward_pre_hook(_attn_pre(ctx, layer, hf.hidden_size), with_kwargs=True),
             attn.register_forward_hook(_attn_post(ctx, layer), with_kwargs=True),
             attn.q_proj.register_forward_hook(_capture_q(ctx, layer)),
-            attn.k_proj.register_forward_pre_hook(_fuse_input(ctx, layer)),
-            attn.v_proj.register_forward_pre_hook(_fuse_input(ctx, layer)),
-            attn.k_proj.register_forward_hook(_op_output(ctx, layer, attn, 0)),
-            attn.v_proj.register_forward_hook(_op_output(ctx, layer, attn, 1)),
+            attn.k_proj.register_forward_pre_hook(_fuse_input(ctx, layer, attn)),
+            attn.v_proj.register_forward_pre_hook(_fuse_input(ctx, layer, attn)),
+            attn.k_proj.register_forward_hook(_op_output(ctx, layer, 0)),
+            attn.v_proj.register_forward_hook(_op_output(ctx, layer, 1)),
         ]
     model._mka_ctx = ctx
     return ctx

@@ -89,9 +89,14 @@ class ModelExecutor:
                                block_size=config.block_size, num_kv_heads=hf.num_key_value_heads,
                                head_dim=self.head_dim, dtype=self.dtype, device=self.device)
         self.mka = None
+        self._mka_use_op = None
         if self.mka_ctx is not None:
             self.mka = build_method("mka", self.method.dims, num_slots=self.num_slots, config=self.mka_ctx.config)
             self.mka_ctx.bind_runtime(self.mka.state, self.binding)
+            if gpu and not self.mka_ctx.config.l3 and self.dtype in (torch.float32, torch.float16, torch.bfloat16):
+                # a decode step's routing, summary and K/V through the fused op (its Triton kernels on CUDA), not
+                # the modules' torch ops plus the model's own K/V projections; restored by close()
+                self._mka_use_op, self.mka_ctx.use_op = self.mka_ctx.use_op, True
         # A3's fused prefill: the strategy for requests that carry a chunked prompt (``seq.rag``)
         self.a3 = build_method("a3", self.method.dims, num_slots=self.num_slots) if self.paged_kv else None
         self.scratch_slot = None
@@ -144,7 +149,10 @@ class ModelExecutor:
     def close(self) -> None:
         """Release the device memory this executor allocated: the KV pool, the fused weights, the decode
         buckets and the prefill pieces with their CUDA graphs, the sampler's counts (the method's state goes with
-        the model's binding, ``unbind``). It runs nothing after; a reference to it left anywhere then holds no memory."""
+        the model's binding, ``unbind``), and gives a FastMKA context back its ``use_op``. It runs nothing after; a
+        reference to it left anywhere then holds no memory."""
+        if getattr(self, "_mka_use_op", None) is not None:
+            self.mka_ctx.use_op, self._mka_use_op = self._mka_use_op, None
         self.kv = self.fused = self.decoder = self.prefill_graphs = self.token_counts = self.a3 = self.mka = None
 
     def slot_states(self) -> dict:
