@@ -35,7 +35,7 @@ def test_tp2_cuda_graphs_equal_tp1(family, mac_on):
     """fp32 weights; every rank captures its buckets' whole step (NCCL all-reduces and the LM head's
     gather inside the graph). Tokens identical over 64 steps, logits within fp32 reduction-order noise,
     MAC hit decisions identical."""
-    mac = MAC if mac_on else None
+    mac = MAC if mac_on else MacConfig(enabled=False)
     ref = _drive(LLMEngine(tp_model(family), mac, _cuda(1)), [(p, STEPS) for p in _prompts()])
     eng = LLMEngine(tp_model(family), mac, _cuda(2))
     try:
@@ -64,7 +64,7 @@ def test_tp2_bf16_builtin_checkpoint_equals_tp1(mac_on):
     _, tok = load_builtin_checkpoint()
     text = heldout_text()
     ps = [tok(text[i * 40_000:i * 40_000 + 8_000]).input_ids[:512] for i in range(2)]
-    mac = MacConfig(window=256, band=64, tau=0.45) if mac_on else None
+    mac = MacConfig(window=256, band=64, tau=0.45) if mac_on else MacConfig(enabled=False)
 
     def run(tp):
         eng = LLMEngine(load_builtin_checkpoint(dtype=torch.bfloat16)[0], mac, _cuda(tp))

@@ -5,6 +5,7 @@ classes and functions the group exchanges, ``WireUnpickler``, so a message can n
 groups (every socket on the loopback interface), and the exit codes the ranks agree on (package doc)."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import datetime
 import enum
@@ -197,8 +198,19 @@ def _gloo(store, rank: int, size: int, timeout: datetime.timedelta):
 
 
 def abort_quietly(part) -> None:
-    """Abort ``part``'s process group (a ``ControlChannel`` or ``ProcessGroupCollectives``), ignoring errors."""
+    """Abort ``part``'s process group (a ``ControlChannel`` or ``ProcessGroupCollectives``), ignoring errors. An
+    aborted NCCL group is kept alive until the process ends (``_keep_until_exit``)."""
     try:
+        if isinstance(part.pg, dist.ProcessGroupNCCL):
+            _keep_until_exit(part.pg)
         part.pg.abort()
     except Exception:
         pass
+
+
+def _keep_until_exit(obj) -> None:
+    """Never run ``obj``'s destructor: ProcessGroupNCCL's, on a communicator aborted because a peer died, ended the
+    process with ``std::terminate`` at interpreter exit (H200 x2: rank 0 raised ``TensorParallelError``, then exited
+    with -6 instead of its own code). A reference the interpreter does not own survives its teardown; the OS
+    reclaims the object with the process."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
