@@ -238,7 +238,8 @@ class EngineArgs:
         """The ``LLMEngine`` these args describe, over ``model`` (a ``*ForCausalLM`` object, bound in place) or,
         when None, the model ``load_model`` loads. Options that are Python objects, not JSON: ``completion``
         (a ``CompletionConfig``) and ``offload`` (an ``OffloadConfig``) of retrieval-completion; or, for any
-        other registered method, its ``method_config`` / ``method_kwargs`` as given."""
+        other registered method, its ``method_config`` / ``method_kwargs`` as given. On CUDA with
+        ``use_cuda_graphs`` every decode bucket's step and every prefill bucket's pieces are captured here."""
         from macattn.runtime.completion_setup import completion_method
         from macattn.runtime.engine import LLMEngine
 
@@ -259,8 +260,12 @@ class EngineArgs:
         blocks = self.kv_blocks_from_memory(model)
         if blocks is not None:
             config = replace(config, num_blocks=blocks)
-        return LLMEngine(model, self.mac_config() if mac else None, config, method=name,
-                         method_config=None if mac else method_config, method_kwargs=method_kwargs)
+        engine = LLMEngine(model, self.mac_config() if mac else None, config, method=name,
+                           method_config=None if mac else method_config, method_kwargs=method_kwargs)
+        prewarm = getattr(engine.executor, "prewarm_graphs", None)     # a tensor-parallel group captures lazily
+        if prewarm is not None:
+            prewarm()        # every CUDA graph now (vLLM's start-up capture): no request pays one
+        return engine
 
     def kv_blocks_from_memory(self, model) -> int | None:
         """KV blocks of ``gpu_memory_utilization`` (its field doc) for ``model`` on this CUDA device; None when it
