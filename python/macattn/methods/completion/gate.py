@@ -53,7 +53,7 @@ def gated_log_phi_q(log_phi_q: torch.Tensor, on: bool, log_mass: torch.Tensor | 
         return log_phi_q
     if log_mass.shape != log_phi_q.shape[-2:-1]:
         raise ValueError(f"log_mass must be [Hq={log_phi_q.shape[-2]}], got {list(log_mass.shape)}")
-    return log_phi_q + log_mass.to(log_phi_q.dtype)[:, None]
+    return log_phi_q + log_mass.to(device=log_phi_q.device, dtype=log_phi_q.dtype)[:, None]
 
 
 @dataclass(frozen=True)
