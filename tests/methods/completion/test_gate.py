@@ -223,16 +223,19 @@ def test_offloaded_decode_honours_the_gate():
 
 def test_every_surface_takes_the_gate_file(tmp_path):
     """``EngineArgs.completion_gate`` (so ``LLM`` and ``macattn serve --completion-gate``) reaches the engine's
-    ``CompletionConfig`` through ``completion_method``, which reads the file; other methods refuse it."""
+    ``CompletionConfig`` through ``completion_method``, which reads the file (its calibrated mass included); other
+    methods refuse it."""
     from macattn.runtime.completion_setup import completion_method
     from macattn.runtime.engine_args import EngineArgs
     from macattn.models.builtin import build_builtin_model
 
     model = build_builtin_model("llama", seed=0)
-    gate = CompletionGate(tuple(i % 2 == 0 for i in range(model.config.num_hidden_layers)), gen_len=4)
+    L, H = model.config.num_hidden_layers, model.config.num_attention_heads
+    gate = CompletionGate(tuple(i % 2 == 0 for i in range(L)), gen_len=4,
+                          log_mass=[[-0.5 * i - 0.1 * h for h in range(H)] for i in range(L)])
     path = gate.save(tmp_path / "gate.json")
     name, cfg, _ = completion_method(model, "completion", gate=str(path))
-    assert name == "completion" and cfg.gate == gate
+    assert name == "completion" and cfg.gate == gate and cfg.gate.log_mass == gate.log_mass
     name, cfg, _ = completion_method(model, "completion", gate=path, kv_offload="host",
                                      completion=CompletionConfig(selector="quest"))
     assert name == "completion_offload" and cfg.gate == gate
