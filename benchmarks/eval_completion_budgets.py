@@ -1,7 +1,9 @@
 """Retrieval-completion's fidelity at each KV-read budget on the trained checkpoint (issue 20 item 7, issue 40
 item 4): Top-k alone, completion ungated and completion gated at equal token-equivalents.
 
-    python benchmarks/eval_completion_budgets.py --n 3           # CPU, ~14 min on 2 cores (defaults: ~5 min)
+    python benchmarks/eval_completion_budgets.py --n 4 --calibration-n 4   # CPU, ~25 min on 2 cores
+    python benchmarks/eval_completion_budgets.py --device cuda --lengths 16384 --n 1 --gen 128 \
+        --selectors exhaustive pages --out $OUT/eval_completion_budgets_16k.json   # GPU
     python benchmarks/eval_completion_budgets.py --dry-run       # random tiny model, seconds
 
 ``macattn eval``'s RULER-style tasks (``--lengths``, ``--n`` samples per task, ``--gen`` teacher-forced steps)
@@ -10,11 +12,13 @@ budget ``β`` (share of the prompt ``N`` in token-equivalents per step and KV he
 that fits it (``apps.tune.completion_budget_ks``: Top-k alone spends ``anchors + k``; completion also the
 amortised cache and ``F/(2d)`` per retrieved token, so it retrieves fewer). The gate of each budget is chosen by
 ``macattn tune --completion``'s ``tune_completion_gate`` on ``--calibration-n`` calibration prompts of another
-sample seed (``--calibration-seed``), never on the evaluated ones; a layer it turns off runs Top-k alone at the
-equal-cost Top-k. ``--selectors``: the exhaustive Top-k and/or the page selector (``PageSummaryTopK``: Quest
+sample seed (``--calibration-seed``), never on the evaluated ones: the term's mass calibrated per layer and head
+on what the Top-k leaves (``--no-mass-calibration``: the maps' own mass, the gate of the first re-run), the layers
+chosen on the error, then checked on the calibration prompts' agreement; a layer it turns off runs Top-k alone at
+the equal-cost Top-k. ``--selectors``: the exhaustive Top-k and/or the page selector (``PageSummaryTopK``: Quest
 bounds over ``--page-size`` pages, ``ceil(k / page) x --overfetch`` pages, exact Top-k inside them). Reported:
 task accuracy, greedy agreement with full attention, attention-output error, KV read / full, the gates. JSON +
-table: ``benchmarks/results/eval_completion_budgets.json``.
+table: ``benchmarks/results/eval_completion_budgets.json``, figure: the same name with ``.png``.
 """
 from __future__ import annotations
 
@@ -50,7 +54,9 @@ def main(argv=None) -> int:
     ap.add_argument("--overfetch", type=int, default=2)
     ap.add_argument("--n-sink", type=int, default=4)
     ap.add_argument("--n-tail", type=int, default=16)
+    ap.add_argument("--no-mass-calibration", action="store_true", help="gate without the calibrated mass")
     ap.add_argument("--out", default=str(RESULTS / "eval_completion_budgets.json"))
+    ap.add_argument("--device", default="cpu", help="the model's and the maps' device (the references follow it)")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     t0 = time.time()
@@ -60,59 +66,98 @@ def main(argv=None) -> int:
         args.lengths, args.n, args.gen, args.calibration_n, args.budgets = [256], 1, 3, 1, [0.3]
         settings = EvalSettings(lengths=tuple(args.lengths), tasks=("niah_single",), n=1, gen=args.gen)
     else:
-        model, encode, hay, bos, desc = load_eval_model("builtin")
-        maps = load_feature_maps(args.maps)
+        model, encode, hay, bos, desc = load_eval_model("builtin", device=args.device)
+        maps = load_feature_maps(args.maps).to(args.device)
         settings = EvalSettings(lengths=tuple(args.lengths), n=args.n, gen=args.gen)
     spec = maps.spec
-    cal_len = args.lengths[0]
-    cal = calibration_prompts(model, TuneSettings(lengths=(cal_len,), n=args.calibration_n, gen=args.gen,
-                                                  seed=args.calibration_seed), encode, hay, bos,
-                              progress=not args.dry_run)
     selectors = {"exhaustive": None, "pages": PageSummaryTopK(args.page_size, args.overfetch)}
-    methods, gates = [], {}
-    for beta in args.budgets:
+    gates, rows, raw = {}, [], {}
+    cfg = lambda k: MissCompletionConfig(n_sink=args.n_sink, n_tail=args.n_tail, top_k=k,  # noqa: E731
+                                         feature_dim=spec.feature_dim)
+    for length in args.lengths:     # each length and selector: its gates (tuned at that length), then its rows
+        cal = calibration_prompts(model, TuneSettings(lengths=(length,), n=args.calibration_n, gen=args.gen,
+                                                      seed=args.calibration_seed), encode, hay, bos,
+                                  progress=not args.dry_run)
         for sel_name in args.selectors:
-            sel = selectors[sel_name]
-            gate, rep = tune_completion_gate(model, cal, maps=maps, budget=beta, n_sink=args.n_sink,
-                                             n_tail=args.n_tail, selector=sel, progress=not args.dry_run)
-            gates[f"{beta:g} {sel_name}"] = dict(gate=list(gate.layers), top_k_completion=rep["top_k_completion"],
-                                                 top_k_alone=rep["top_k_alone"],
-                                                 calibration_error_completion=rep["calibration"]["completion"]["error"],
-                                                 calibration_error_topk_alone=rep["calibration"]["topk_alone"]["error"])
-            print(f"gate b={beta:g} {sel_name}: {['on' if g else 'off' for g in gate.layers]}", flush=True)
-            for length in args.lengths:       # the gate is per layer; each length gets its own budget's Top-k
-                kc, kt = completion_budget_ks(beta, length, n_sink=args.n_sink, n_tail=args.n_tail,
-                                              gen_len=args.gen, feature_dim=spec.feature_dim, head_dim=spec.head_dim)
-                cfg = lambda k: MissCompletionConfig(n_sink=args.n_sink, n_tail=args.n_tail, top_k=k,  # noqa: E731
-                                                     feature_dim=spec.feature_dim)
+            sel, methods = selectors[sel_name], []
+            for beta in args.budgets:
+                gate, rep = tune_completion_gate(model, cal, maps=maps, budget=beta, n_sink=args.n_sink,
+                                                 n_tail=args.n_tail, selector=sel, progress=not args.dry_run,
+                                                 calibrate_mass=not args.no_mass_calibration)
+                c = rep["calibration"]
+                gates[f"{beta:g} {sel_name} N={length}"] = dict(
+                    gate=list(gate.layers), log_mass=rep["log_mass"], top_k_completion=rep["top_k_completion"],
+                    top_k_alone=rep["top_k_alone"], top_k_gated_off=rep["top_k_gated_off"],
+                    calibration_error_completion=c["completion"]["error"],
+                    calibration_error_completion_calibrated=c["completion_calibrated"]["error"],
+                    calibration_error_topk_alone=c["topk_alone"]["error"], agreement_trail=rep["agreement_trail"])
+                print(f"gate b={beta:g} {sel_name} N={length}: {['on' if g else 'off' for g in gate.layers]}",
+                      flush=True)
+                kc, kt = rep["top_k_completion"], rep["top_k_alone"]
                 for kind, k, comp, g in (("top-k alone", kt, False, None), ("completion", kc, True, None),
                                          ("completion gated", kc, True, gate)):
-                    methods.append((length, RetrievalCompletion(cfg(k), maps=maps, completion=comp, gen_len=args.gen,
-                                                                selector=sel, gate=g,
-                                                                name=f"{kind} {sel_name} N={length} b={beta:g} k={k}")))
-    rows, raw = [], {}
-    print(f"{'method':<50} {'accuracy':>8} {'agree full':>10} {'rel err':>9} {'KV read':>8}")
-    for length in args.lengths:
-        ms = [m for n, m in methods if n == length]
-        res = run_eval(model, ms, EvalSettings(lengths=(length,), tasks=settings.tasks, n=settings.n, gen=settings.gen),
-                       encode=encode, haystack_ids=hay, bos=bos, progress=not args.dry_run)
-        raw[str(length)] = res
-        for m in ms:
-            r = res["methods"][m.name]
-            rows.append({"method": m.name, "length": length,
-                         **{k: r.get(k) for k in ("accuracy_mean", "greedy_agreement", "rel_error_mean",
-                                                  "kv_read_fraction")}})
-            print(f"{m.name:<50} {r.get('accuracy_mean', float('nan')):>8.3f} "
-                  f"{r.get('greedy_agreement', float('nan')):>10.3f} {r.get('rel_error_mean', float('nan')):>9.4f} "
-                  f"{r.get('kv_read_fraction', float('nan')):>8.3f}", flush=True)
-    if not args.dry_run:
-        out = {"benchmark": "eval_completion_budgets", "model": desc, "settings": vars(args), "torch": torch.__version__,
-               "samples_per_length": len(settings.tasks) * settings.n, "gates": gates, "rows": rows,
-               "full_attention": {n: r["methods"].get("full") for n, r in raw.items()}, "raw": raw,
-               "seconds": time.time() - t0}
-        Path(args.out).write_text(json.dumps(out, indent=1, default=str) + "\n")
-        print(f"wrote {args.out}")
+                    methods.append(RetrievalCompletion(cfg(k), maps=maps, completion=comp, gen_len=args.gen,
+                                                       selector=sel, gate=g,
+                                                       name=f"{kind} {sel_name} N={length} b={beta:g} k={k}"))
+            res = run_eval(model, methods, EvalSettings(lengths=(length,), tasks=settings.tasks, n=settings.n,
+                                                        gen=settings.gen),
+                           encode=encode, haystack_ids=hay, bos=bos, progress=not args.dry_run)
+            raw[f"{length} {sel_name}"] = res
+            print(f"{'method':<50} {'accuracy':>8} {'agree full':>10} {'rel err':>9} {'KV read':>8}")
+            for m in methods:
+                r = res["methods"][m.name]
+                rows.append({"method": m.name, "length": length,
+                             **{k: r.get(k) for k in ("accuracy_mean", "greedy_agreement", "rel_error_mean",
+                                                      "kv_read_fraction")}})
+                print(f"{m.name:<50} {r.get('accuracy_mean', float('nan')):>8.3f} "
+                      f"{r.get('greedy_agreement', float('nan')):>10.3f} {r.get('rel_error_mean', float('nan')):>9.4f} "
+                      f"{r.get('kv_read_fraction', float('nan')):>8.3f}", flush=True)
+            if not args.dry_run:      # written after every (length, selector): a run cut short keeps what it did
+                out = {"benchmark": "eval_completion_budgets", "model": desc, "settings": vars(args),
+                       "torch": torch.__version__, "device": str(next(model.parameters()).device),
+                       "samples_per_length": len(settings.tasks) * settings.n, "gates": gates, "rows": rows,
+                       "full_attention": {n: r["methods"].get("full") for n, r in raw.items()}, "raw": raw,
+                       "seconds": time.time() - t0}
+                Path(args.out).write_text(json.dumps(out, indent=1, default=str) + "\n")
+                print(f"wrote {args.out}, {plot(rows, Path(args.out).with_suffix('.png'))}", flush=True)
     return 0
+
+
+def plot(rows: list, path: Path) -> Path:
+    """Greedy agreement and attention-output error per budget: Top-k alone, completion ungated and gated, one
+    panel pair per (length, selector)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def key(name):              # "<kind> <selector> N=<len> b=<beta> k=<k>"
+        kind, rest = name.split(" exhaustive " if " exhaustive " in name else " pages ")
+        sel = "exhaustive" if " exhaustive " in name else "pages"
+        n, b, _ = rest.split()
+        return kind, sel, int(n[2:]), float(b[2:])
+
+    groups = sorted({key(r["method"])[1:3] for r in rows})
+    fig, axes = plt.subplots(len(groups), 2, figsize=(9, 3.2 * len(groups)), squeeze=False)
+    kinds = ("top-k alone", "completion", "completion gated")
+    for (sel, n), (ax_a, ax_e) in zip(groups, axes):
+        for j, kind in enumerate(kinds):
+            pts = sorted((key(r["method"])[3], r) for r in rows if key(r["method"])[:3] == (kind, sel, n))
+            xs = [i + (j - 1) * 0.27 for i in range(len(pts))]
+            ax_a.bar(xs, [r["greedy_agreement"] for _, r in pts], 0.27, label=kind, color=f"C{j}")
+            ax_e.bar(xs, [r["rel_error_mean"] for _, r in pts], 0.27, label=kind, color=f"C{j}")
+            for ax in (ax_a, ax_e):
+                ax.set_xticks(range(len(pts)), [f"{b:.0%}" for b, _ in pts])
+        ax_a.set_ylabel(f"greedy agreement\n{sel}, N={n}")
+        ax_e.set_ylabel("attention-output rel. error")
+        ax_a.set_ylim(0, 1)
+        ax_a.legend(fontsize=7, loc="lower right")
+    for ax in axes[-1]:
+        ax.set_xlabel("KV-read budget (token-equivalents / N)")
+    fig.suptitle("Retrieval-completion vs Top-k alone at equal token-equivalents", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":

@@ -308,8 +308,10 @@ def _add_tune(sub) -> None:
     p.add_argument("--report", default=None, help="also write the search statistics here (JSON)")
     c = p.add_argument_group("retrieval-completion's per-layer gate (--completion)")
     c.add_argument("--completion", action="store_true",
-                   help="tune retrieval-completion's gate instead of MAC: the completion term kept only in the layers "
-                        "where it lowers the error against full attention at --budget (writes a gate JSON to --out)")
+                   help="tune retrieval-completion's gate instead of MAC: the term's mass calibrated per layer and head "
+                        "on what the Top-k leaves at --budget, the term kept only in the layers where it then lowers "
+                        "the error against full attention and keeps Top-k alone's greedy agreement (writes a gate JSON "
+                        "to --out)")
     c.add_argument("--feature-maps", default=None, help="distilled completion feature maps (macattn distill-completion)")
     c.add_argument("--budget", type=float, default=0.02, help="KV reads per step as a share of the prompt, in (0, 1]")
     c.add_argument("--n-sink", type=int, default=4)
@@ -317,6 +319,10 @@ def _add_tune(sub) -> None:
     c.add_argument("--selector", choices=("exact", "pages"), default="exact", help="Top-k selector")
     c.add_argument("--page-size", type=int, default=16)
     c.add_argument("--page-overfetch", type=int, default=2)
+    c.add_argument("--no-mass-calibration", action="store_true",
+                   help="keep the maps' own mass (no per-head log_mass in the gate)")
+    c.add_argument("--no-agreement-check", action="store_true",
+                   help="choose the layers on the error alone (no whole-model agreement check)")
     p.set_defaults(func=_run("macattn.apps.tune"))
 
 

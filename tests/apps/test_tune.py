@@ -204,9 +204,11 @@ def test_a_tuned_file_reaches_the_openai_server_and_the_llm_api(tmp_path):
 
 
 def test_completion_gate_keeps_the_term_where_it_lowers_the_error_and_the_cli_writes_it(tmp_path, monkeypatch):
-    """``tune_completion_gate``: a layer's term is on iff its calibration error with completion is below Top-k
-    alone's at the equal-cost Top-k; held-out stats for the three variants; ``macattn tune --completion`` writes a
-    gate file ``CompletionConfig`` reads."""
+    """``tune_completion_gate``: the term's mass calibrated per layer and head (never worse than uncalibrated on
+    the calibration steps); without the agreement check a layer's term is on iff its calibrated error is below
+    Top-k alone's at the equal-cost Top-k; with it, the gated model's calibration agreement reaches Top-k alone's
+    or every layer is off; held-out stats for the three variants; ``macattn tune --completion`` writes a gate file
+    ``CompletionConfig`` reads, its ``log_mass`` included."""
     import macattn.evaluation.harness as harness
     from macattn.apps.tune import tune_completion_gate
     from macattn.methods.completion.config import CompletionConfig
@@ -216,11 +218,22 @@ def test_completion_gate_keeps_the_term_where_it_lowers_the_error_and_the_cli_wr
     maps = maps_for_model(model, feature_dim=8, hidden=16)
     prompts = calibration_prompts(model, TuneSettings(lengths=(256,), n=1, gen=3), ENC, HAY, progress=False)
     gate, rep = tune_completion_gate(model, prompts, maps=maps, budget=0.3, n_sink=4, n_tail=8,
-                                     held_out=prompts, progress=False)
+                                     held_out=prompts, agreement=False, progress=False)
     cal = rep["calibration"]
-    assert list(gate.layers) == [c < t for c, t in zip(cal["completion"]["error"], cal["topk_alone"]["error"])]
-    assert rep["top_k_alone"] > rep["top_k_completion"] and gate.gen_len == 3
+    assert list(gate.layers) == [c < t for c, t in zip(cal["completion_calibrated"]["error"],
+                                                       cal["topk_alone"]["error"])]
+    assert all(c <= u + 1e-12 for c, u in zip(cal["completion_calibrated"]["error"], cal["completion"]["error"]))
+    assert [list(x) for x in gate.log_mass] == rep["log_mass"] and len(rep["log_mass"][0]) == maps.spec.num_q_heads
+    assert rep["top_k_alone"] > rep["top_k_completion"] and gate.gen_len == 3 and rep["agreement_trail"] == []
     assert set(rep["held_out"]) >= {"completion", "topk_alone", "gated"}
+    raw, rep_raw = tune_completion_gate(model, prompts, maps=maps, budget=0.3, n_sink=4, n_tail=8,
+                                        calibrate_mass=False, progress=False)
+    assert raw.log_mass is None and rep_raw["calibration"]["completion_calibrated"] == rep_raw["calibration"]["completion"]
+    for t in rep_raw["agreement_trail"][:-1]:
+        assert t["greedy_agreement"] < t["topk_alone_agreement"]
+    if any(raw.layers):
+        last = rep_raw["agreement_trail"][-1]
+        assert last["layers"] == list(raw.layers) and last["greedy_agreement"] >= last["topk_alone_agreement"]
     with pytest.raises(ValueError, match="budget"):
         tune_completion_gate(model, prompts, maps=maps, budget=0.001, n_sink=4, n_tail=8, progress=False)
     save_feature_maps(maps, tmp_path / "maps")
@@ -230,4 +243,6 @@ def test_completion_gate_keeps_the_term_where_it_lowers_the_error_and_the_cli_wr
                                    "--n-sink", "4", "--n-tail", "8", "--lengths", "256", "--n", "1", "--gen", "3",
                                    "--out", str(out), "--report", str(report)])
     assert a.func(a) == 0
-    assert list(CompletionConfig(gate=out).gate.layers) == json.loads(report.read_text())["gate"]
+    written = CompletionConfig(gate=out).gate
+    assert list(written.layers) == json.loads(report.read_text())["gate"]
+    assert [list(x) for x in written.log_mass] == json.loads(report.read_text())["log_mass"]

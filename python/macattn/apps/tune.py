@@ -29,8 +29,11 @@ The written file is a ``MacConfig`` JSON, what every surface takes: ``macattn bu
 
 Retrieval-completion's gate (``--completion``, ``tune_completion_gate``): at a KV-read budget ``β`` (share of
 the prompt in token-equivalents per step), completion with the Top-k it buys and Top-k alone with the larger
-Top-k it buys run on the calibration prompts; a layer keeps the completion term iff its mean attention-output
-error is lower with it. The gate (``CompletionGate`` JSON) is then measured against both on held-out prompts;
+Top-k it buys are probed on the calibration prompts under full attention; the term's mass is calibrated per layer
+and query head on what that Top-k leaves (``methods.completion.mass``, the gate's ``log_mass``), and a layer keeps
+the term iff its mean attention-output error is then lower with it; layers are turned off (least gain first) until
+the gated model's greedy agreement on the calibration prompts reaches Top-k alone's. The gate (``CompletionGate``
+JSON) is then measured against both on held-out prompts;
 ``CompletionConfig(gate=FILE)``, ``EngineArgs.completion_gate`` / ``--completion-gate`` and
 ``LLM(..., completion_gate=FILE)`` read it.
 """
@@ -347,17 +350,26 @@ def completion_budget_ks(budget: float, prompt_len: int, *, n_sink: int, n_tail:
 
 
 def tune_completion_gate(model, prompts: list, *, maps, budget: float, n_sink: int, n_tail: int,
-                         selector=None, held_out: list | None = None, progress: bool = True):
+                         selector=None, held_out: list | None = None, calibrate_mass: bool = True,
+                         agreement: bool = True, progress: bool = True):
     """Retrieval-completion's per-layer gate at ``budget`` (module docstring): ``(CompletionGate, report)``.
 
     prompts / held_out: ``[(prompt [1, ~N], full tokens)]`` of one nominal length (``calibration_prompts``; the
-    budget's Top-k is that of the longest, ``N``); maps:
-    the ``CompletionFeatureMaps``; selector: the Top-k selector (None: exhaustive). The report holds the Top-k
-    of each variant, the per-layer errors of both on the calibration prompts, and on ``held_out`` the three
-    variants' agreement, errors and KV read fractions."""
-    from macattn.evaluation.methods import RetrievalCompletion
+    budget's Top-k is that of the longest, ``N``); maps: the ``CompletionFeatureMaps``; selector: the Top-k
+    selector (None: exhaustive). One probe run (``evaluation.methods.CompletionProbe``, full attention's
+    trajectory) records per layer the term's parts at the completion Top-k and Top-k alone at the equal-cost
+    Top-k of a gated-off layer; ``calibrate_mass`` fits the term's mass per query head on them
+    (``mass.fit_log_mass``, the gate's ``log_mass``); a layer keeps the term iff its error (calibrated or not)
+    is below Top-k alone's. ``agreement``: the gated model's greedy agreement on the calibration prompts must
+    reach Top-k alone's at the budget's Top-k; while it does not, the kept layer of least relative gain is
+    turned off (each try in ``report["agreement_trail"]``). The report holds the Top-k of each variant, the
+    per-layer errors, the fitted masses, and on ``held_out`` the three variants' agreement, errors and KV read
+    fractions."""
+    from macattn.evaluation.methods import CompletionProbe, RetrievalCompletion
     from macattn.methods.completion.completion_on_miss import MissCompletionConfig
     from macattn.methods.completion.gate import CompletionGate
+    from macattn.methods.completion.mass import fit_log_mass, layer_error, reweighed_output
+    from macattn.methods.completion.reference import equal_cost_top_k
 
     if not prompts:
         raise ValueError("prompts must hold at least one (prompt, full tokens) pair")
@@ -365,19 +377,57 @@ def tune_completion_gate(model, prompts: list, *, maps, budget: float, n_sink: i
     spec = maps.spec
     kc, kt = completion_budget_ks(budget, N, n_sink=n_sink, n_tail=n_tail, gen_len=gen,
                                   feature_dim=spec.feature_dim, head_dim=spec.head_dim)
+    k_off = equal_cost_top_k(kc, feature_dim=spec.feature_dim, head_dim=spec.head_dim, gen_len=gen)
+
+    def cfg(k):
+        return MissCompletionConfig(n_sink=n_sink, n_tail=n_tail, top_k=k, feature_dim=spec.feature_dim)
 
     def variant(k, completion, gate=None):
-        cfg = MissCompletionConfig(n_sink=n_sink, n_tail=n_tail, top_k=k, feature_dim=spec.feature_dim)
-        return RetrievalCompletion(cfg, maps=maps, completion=completion, gen_len=gen, selector=selector, gate=gate)
+        return RetrievalCompletion(cfg(k), maps=maps, completion=completion, gen_len=gen, selector=selector, gate=gate)
 
-    comp, alone = measure_methods(model, [variant(kc, True), variant(kt, False)], prompts, progress=progress)
-    gate = CompletionGate(tuple(bool(c < t) for c, t in zip(comp["error"], alone["error"])), gen_len=gen,
-                          tuned_for=dict(budget=budget, prompt_len=N, n_sink=n_sink, n_tail=n_tail,
-                                         feature_dim=spec.feature_dim, top_k_completion=kc, top_k_alone=kt,
-                                         selector="exhaustive" if selector is None else type(selector).__name__))
+    probe = CompletionProbe(cfg(kc), maps=maps, top_k_alone=k_off, selector=selector)
+    measure_methods(model, [probe], prompts, progress=progress)
+    errs = dict(completion=[], completion_calibrated=[], topk_alone=[])
+    log_mass = []
+    for layer in range(spec.num_layers):
+        r = {k: torch.cat([x[k] for x in probe.records[layer]]) for k in probe.records[layer][0]}
+        parts = (r["out_exact"], r["out_comp"], r["lse_exact"], r["lse_comp"])
+        errs["completion"].append(layer_error(reweighed_output(*parts, 0.0), r["full"]))
+        errs["topk_alone"].append(layer_error(r["alone"], r["full"]))
+        if calibrate_mass:
+            lm, e = fit_log_mass(*parts, r["full"])
+        else:
+            lm, e = torch.zeros(r["full"].shape[1], dtype=torch.float64), errs["completion"][-1]
+        log_mass.append(tuple(lm.tolist()))
+        errs["completion_calibrated"].append(e)
+    term = errs["completion_calibrated"]
+    on = [bool(c < t) for c, t in zip(term, errs["topk_alone"])]
+    tuned_for = dict(budget=budget, prompt_len=N, n_sink=n_sink, n_tail=n_tail, feature_dim=spec.feature_dim,
+                     top_k_completion=kc, top_k_alone=kt, top_k_gated_off=k_off, calibrate_mass=calibrate_mass,
+                     selector="exhaustive" if selector is None else type(selector).__name__)
+
+    def make(layers):
+        return CompletionGate(tuple(layers), gen_len=gen, log_mass=tuple(log_mass) if calibrate_mass else None,
+                              tuned_for=tuned_for)
+
+    trail = []
+    if agreement and any(on):
+        alone_agree = measure_methods(model, [variant(kt, False)], prompts, progress=progress)[0]["greedy_agreement"]
+        gain = {i: 1.0 - term[i] / max(errs["topk_alone"][i], 1e-30) for i in range(len(on))}
+        while any(on):
+            got = measure_methods(model, [variant(kc, True, make(on))], prompts,
+                                  progress=progress)[0]["greedy_agreement"]
+            trail.append(dict(layers=list(on), greedy_agreement=got, topk_alone_agreement=alone_agree))
+            if got >= alone_agree:
+                break
+            on[min((i for i in range(len(on)) if on[i]), key=gain.get)] = False
+    gate = make(on)
     report = dict(budget=budget, prompt_len=N, gen_len=gen, top_k_completion=kc, top_k_alone=kt,
-                  gate=list(gate.layers), calibration=dict(completion=comp, topk_alone=alone),
-                  calibration_prompts=len(prompts))
+                  top_k_gated_off=k_off, gate=list(gate.layers), log_mass=[list(x) for x in log_mass],
+                  calibration=dict(completion=dict(error=errs["completion"]),
+                                   completion_calibrated=dict(error=errs["completion_calibrated"]),
+                                   topk_alone=dict(error=errs["topk_alone"])),
+                  agreement_trail=trail, calibration_prompts=len(prompts))
     if held_out:
         names = ("completion", "topk_alone", "gated")
         stats = measure_methods(model, [variant(kc, True), variant(kt, False), variant(kc, True, gate)], held_out,
@@ -502,7 +552,9 @@ def _run_completion(args) -> int:
     selector = PageSummaryTopK(args.page_size, args.page_overfetch) if args.selector == "pages" else None
     gate, report = tune_completion_gate(model, prompts, maps=load_feature_maps(args.feature_maps),
                                         budget=args.budget, n_sink=args.n_sink, n_tail=args.n_tail,
-                                        selector=selector, held_out=held)
+                                        selector=selector, held_out=held,
+                                        calibrate_mass=not args.no_mass_calibration,
+                                        agreement=not args.no_agreement_check)
     report.update(model=args.model, haystack=hay_desc, feature_maps=args.feature_maps, selector=args.selector)
     gate.save(args.out)
     if args.report:
@@ -510,10 +562,14 @@ def _run_completion(args) -> int:
         Path(args.report).write_text(json.dumps(report, indent=1) + "\n")
     cal = report["calibration"]
     print(f"budget {args.budget}: Top-k {report['top_k_completion']} with completion, {report['top_k_alone']} alone")
-    print(f"{'layer':<6}{'err completion':>15}{'err Top-k alone':>16}  term")
+    print(f"{'layer':<6}{'err completion':>15}{'calibrated':>11}{'err Top-k alone':>16}  term  mean log_mass")
     for i, on in enumerate(gate.layers):
-        print(f"{i:<6}{cal['completion']['error'][i]:>15.4f}{cal['topk_alone']['error'][i]:>16.4f}  "
-              f"{'on' if on else 'off'}")
+        lm = report["log_mass"][i]
+        print(f"{i:<6}{cal['completion']['error'][i]:>15.4f}{cal['completion_calibrated']['error'][i]:>11.4f}"
+              f"{cal['topk_alone']['error'][i]:>16.4f}  {'on ' if on else 'off'}  {sum(lm) / len(lm):+.2f}")
+    for t in report["agreement_trail"]:
+        print(f"agreement check: layers on {[i for i, x in enumerate(t['layers']) if x]}: "
+              f"{t['greedy_agreement']:.3f} (Top-k alone {t['topk_alone_agreement']:.3f})")
     h = report["held_out"]
     print(f"{'held-out':<12}{'agree':>8}{'mean err':>10}{'KV read':>9}")
     for name in ("topk_alone", "completion", "gated"):

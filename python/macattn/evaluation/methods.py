@@ -14,6 +14,7 @@ prefix, and the KV read in token-equivalents. Adding a method is a subclass with
   per-layer overrides and ``miss_policy="completion"``
   (``macattn.methods.completion.completion_on_miss``);
 * ``RetrievalCompletion`` — docs/spec.md §3 on every step (``macattn.methods.completion.reference.hybrid_decode_step``);
+  ``CompletionProbe`` records its parts under full attention (the calibration of ``macattn tune --completion``);
 * ``A3Fusion`` — docs/spec.md §4: the prompt cut into ``[system, chunks, question]``, each chunk's K/V
   computed alone (as a chunk store holds it), fused prefill, then full-attention decode. It changes
   the prompt's K/V, not the decode, so it overrides ``run`` and records no per-layer statistics.
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from macattn.methods.a3.config import A3Config, FusionMethod
-from macattn.methods.completion.gate import CompletionGate
+from macattn.methods.completion.gate import CompletionGate, gated_log_phi_q
 from macattn.methods.completion.reference import (build_completion_cache_batched, hybrid_decode_step, layer_top_k, partition,
                                                   token_equivalents)
 from macattn.methods.mac.config import MacConfig
@@ -40,7 +41,8 @@ from macattn.models.transformers_api import returned_cache
 from macattn.methods.completion.feature_maps import CompletionFeatureMaps
 from macattn.methods.completion.completion_on_miss import CompletionOnMiss, MissCompletionConfig, random_feature_maps
 
-__all__ = ["Recorder", "Prefill", "EvalMethod", "FullBaseline", "Mac", "RetrievalCompletion", "A3Fusion"]
+__all__ = ["Recorder", "Prefill", "EvalMethod", "FullBaseline", "Mac", "RetrievalCompletion", "CompletionProbe",
+           "A3Fusion"]
 
 @dataclass
 class Recorder:
@@ -301,7 +303,8 @@ class RetrievalCompletion(EvalMethod):
     prefill's mid region completed through ``maps`` (default: untrained random features);
     ``completion=False`` gives the selection-only baseline; ``selector`` picks the Top-k (None: the
     exhaustive one; e.g. ``PageSummaryTopK``, the page selector); ``gate``: a ``CompletionGate`` (a layer it
-    turns off runs Top-k alone at the equal-cost Top-k, ``reference.layer_top_k``)."""
+    turns off runs Top-k alone at the equal-cost Top-k, ``reference.layer_top_k``; a layer it keeps takes its
+    calibrated mass, ``gate.gated_log_phi_q``)."""
 
     def __init__(self, config: MissCompletionConfig | None = None, *, maps: CompletionFeatureMaps | None = None,
                  completion: bool = True, gen_len: int = 64, name: str | None = None, selector=None,
@@ -311,6 +314,7 @@ class RetrievalCompletion(EvalMethod):
         self.config = config or MissCompletionConfig()
         self.maps = maps
         self.gate = gate
+        self._log_mass = gate.log_mass_tensors() if gate is not None else None
         self.use_completion = completion
         self.gen_len = gen_len
         self.selector = selector
@@ -328,18 +332,23 @@ class RetrievalCompletion(EvalMethod):
         self.caches[layer] = (n, lpk, *build_completion_cache_batched(lpk, value, n, n_sink=c.n_sink,
                                                                       n_tail=c.n_tail))
 
-    def decode(self, mac, layer, q, q_pre, key, value, positions, scale):
-        c = self.config
+    def _term(self, layer: int, q: torch.Tensor, key: torch.Tensor, log_mass=None) -> tuple:
+        """``(n_prefill [B], completion)``: the ``hybrid_decode_step`` completion tuple of ``layer`` for queries
+        ``q [B, Hq, d]`` over ``key [B, Hkv, T, d]``, ``log φ_q`` shifted by ``log_mass [Hq]`` (None: not)."""
         n, lpk, a, b, shift = self.caches[layer]
         pad = key.shape[2] - lpk.shape[2]
         lpk_all = torch.cat([lpk, lpk.new_zeros(*lpk.shape[:2], pad, lpk.shape[3])], dim=2)  # generated rows unread
+        return n, (gated_log_phi_q(self.maps.log_phi_q(layer, q).float(), True, log_mass), lpk_all, a, b, shift)
+
+    def decode(self, mac, layer, q, q_pre, key, value, positions, scale):
+        c = self.config
         top_k, on = layer_top_k(self.gate, layer, c.top_k, feature_dim=self.maps.spec.feature_dim,
                                 head_dim=q.shape[-1])
         on = on and self.use_completion
-        comp = (self.maps.log_phi_q(layer, q).float(), lpk_all, a, b, shift) if on else None
+        n, comp = self._term(layer, q, key, self._log_mass[layer] if self._log_mass is not None else None)
         out, parts = hybrid_decode_step(q, key, value, positions + 1, n, n_sink=c.n_sink, n_tail=c.n_tail,
-                                        top_k=top_k, scale=scale, completion=comp, return_parts=True,
-                                        selector=self.selector)
+                                        top_k=top_k, scale=scale, completion=comp if on else None,
+                                        return_parts=True, selector=self.selector)
         read = torch.empty(q.shape[:2], dtype=torch.float64)
         for i in range(q.shape[0]):
             pt = partition(int(n[i]), int(positions[i]) + 1, n_sink=c.n_sink, n_tail=c.n_tail)
@@ -350,6 +359,34 @@ class RetrievalCompletion(EvalMethod):
                                         head_dim=q.shape[-1], gen_len=self.gen_len, retrieved=k_eff,
                                         completion=on and not full_mid)["total"]
         return out, read, None, 0
+
+
+class CompletionProbe(RetrievalCompletion):
+    """Calibration probe of the completion term (``macattn tune --completion``): the model decodes with full
+    attention (each step's output is full attention's), and per layer and step ``records[layer]`` keeps the
+    ``hybrid_decode_step`` parts of completion at ``config.top_k`` (uncorrected) — ``out_exact`` / ``out_comp``
+    ``[B, Hq, d]``, ``lse_exact`` / ``lse_comp`` ``[B, Hq]`` — with ``full`` ``[B, Hq, d]`` and ``alone``, Top-k
+    alone at ``top_k_alone`` (all fp64, CPU): what ``methods.completion.mass.fit_log_mass`` fits the term's mass
+    on and what the gate compares it with, on one trajectory for every layer."""
+
+    def __init__(self, config: MissCompletionConfig, *, maps: CompletionFeatureMaps, top_k_alone: int,
+                 selector=None, name: str = "completion-probe") -> None:
+        super().__init__(config, maps=maps, completion=True, selector=selector, name=name)
+        self.top_k_alone = top_k_alone
+        self.records: dict[int, list[dict]] = {}
+
+    def decode(self, mac, layer, q, q_pre, key, value, positions, scale):
+        c = self.config
+        n, comp = self._term(layer, q, key)
+        kw = dict(n_sink=c.n_sink, n_tail=c.n_tail, scale=scale, selector=self.selector)
+        _, parts = hybrid_decode_step(q, key, value, positions + 1, n, top_k=c.top_k, completion=comp,
+                                      return_parts=True, **kw)
+        alone = hybrid_decode_step(q, key, value, positions + 1, n, top_k=self.top_k_alone, **kw)
+        full = full_attention_reference(q, key, value, positions, scale=scale)
+        rec = {k: parts[k] for k in ("out_exact", "out_comp", "lse_exact", "lse_comp")}
+        rec.update(full=full.double().cpu(), alone=alone.double().cpu())
+        self.records.setdefault(layer, []).append(rec)
+        return full, torch.zeros(q.shape[:2], dtype=torch.float64), None, 0
 
 
 class A3Fusion(EvalMethod):

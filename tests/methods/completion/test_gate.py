@@ -1,6 +1,7 @@
-"""The per-layer completion gate (issue 40): its file's round trip through ``CompletionConfig``, the equal-cost
-Top-k of a gated-off layer, and the gate honoured by the resident op, the page op and the offloaded decode —
-each equal to the fp64 reference with the completion term masked in the gated-off layers."""
+"""The per-layer completion gate (issue 40): its file's round trip through ``CompletionConfig`` (with the calibrated
+mass ``log_mass``), the equal-cost Top-k of a gated-off layer, and the gate honoured by the resident op, the page op
+and the offloaded decode — each equal to the fp64 reference with the completion term masked in the gated-off layers
+and ``log φ_q + log_mass`` in the others."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ from macattn.methods.completion import ops  # noqa: F401  (defines the torch ops
 from macattn.methods.completion.backend import CompletionAttention
 from macattn.methods.completion.config import CompletionConfig
 from macattn.methods.completion.feature_maps import CompletionFeatureMaps, FeatureMapSpec
-from macattn.methods.completion.gate import CompletionGate
+from macattn.methods.completion.gate import CompletionGate, gated_log_phi_q
 from macattn.methods.completion.reference import (budget_top_k, build_completion_cache, equal_cost_top_k,
                                                   hybrid_decode_step, layer_top_k, page_retrieval_completion_step,
                                                   partition, retrieval_completion_step)
@@ -34,6 +35,40 @@ def test_gate_file_round_trip(tmp_path):
     assert CompletionConfig(gate=str(path)).gate == gate == CompletionConfig(gate=path).gate
     assert CompletionConfig(gate=gate) == CompletionConfig(gate=str(path))
     assert json.loads(path.read_text())["layers"] == [True, False, True]
+    assert "log_mass" not in json.loads(path.read_text()) and back.log_mass is None
+
+
+def test_gate_file_round_trip_with_the_calibrated_mass(tmp_path):
+    gate = CompletionGate((True, False), gen_len=8, log_mass=[[-1.5, 0.25, -3], [0.0, 0.0, 0.0]],
+                          tuned_for={"budget": 0.01})
+    assert gate.log_mass == ((-1.5, 0.25, -3.0), (0.0, 0.0, 0.0))
+    back = CompletionConfig(gate=gate.save(tmp_path / "gate.json")).gate
+    assert back == gate and back.log_mass == gate.log_mass
+    assert json.loads((tmp_path / "gate.json").read_text())["log_mass"] == [[-1.5, 0.25, -3.0], [0.0, 0.0, 0.0]]
+    gate.check_layers(2, 3)
+    with pytest.raises(ValueError, match="3 heads per layer, the model 4"):
+        gate.check_layers(2, 4)
+    lm = gate.log_mass_tensors()
+    assert lm[0].dtype == torch.float32 and lm[0].tolist() == [-1.5, 0.25, -3.0]
+    assert CompletionGate((True,), gen_len=1).log_mass_tensors() == [None]
+
+
+@pytest.mark.parametrize("log_mass", [[[0.0]], [[0.0], []], [[0.0], [1.0, 2.0]], [[0.0], [float("nan")]],
+                                      [[0.0], [float("inf")]], [[0.0], [True]], "0"])
+def test_bad_log_mass(log_mass):
+    with pytest.raises(ValueError, match="log_mass"):
+        CompletionGate((True, False), gen_len=1, log_mass=log_mass)
+
+
+def test_gated_log_phi_q():
+    lpq = torch.randn(2, 3, 5)
+    assert gated_log_phi_q(lpq, True) is lpq
+    assert bool((gated_log_phi_q(lpq, False) == float("-inf")).all())
+    lm = torch.tensor([0.5, -1.0, 2.0])
+    assert torch.equal(gated_log_phi_q(lpq, True, lm), lpq + lm[:, None])
+    assert bool((gated_log_phi_q(lpq, False, lm) == float("-inf")).all())
+    with pytest.raises(ValueError, match="log_mass must be"):
+        gated_log_phi_q(lpq, True, torch.zeros(4))
 
 
 @pytest.mark.parametrize("content,err,match", [
@@ -78,7 +113,7 @@ def test_gated_off_layer_spends_completion_cost_on_tokens(beta):
 # ----------------------------------------------------------------------------- the resident and page ops
 
 L, HQ, HKV, D, F = 2, 4, 2, 16, 8
-GATE = CompletionGate((True, False), gen_len=1)
+GATE = CompletionGate((True, False), gen_len=1, log_mass=((-1.5, 0.4, -3.0, 0.0), (2.0, 2.0, 2.0, 2.0)))
 
 
 def _resident(selector: str, gate):
@@ -112,7 +147,7 @@ def _reference_inputs(maps, layer, q, k, v, cfg):
     T = k.shape[2]
     p = partition(T - 1, T - 1, n_sink=cfg.n_sink, n_tail=cfg.n_tail)
     with torch.no_grad():
-        lpq = maps.log_phi_q(layer, q)
+        lpq = gated_log_phi_q(maps.log_phi_q(layer, q), True, torch.tensor(GATE.log_mass[layer]))
         lpk = maps.log_phi_k(layer, k[0].transpose(0, 1)).transpose(0, 1)[None]
     comp = build_completion_cache(lpk[:, :, p.mid_start:p.mid_end], v[:, :, p.mid_start:p.mid_end])
     return (q, k, v, torch.tensor([T]), torch.tensor([T - 1])), (lpq, lpk, *comp)
@@ -120,29 +155,30 @@ def _reference_inputs(maps, layer, q, k, v, cfg):
 
 @pytest.mark.parametrize("selector", ["exact", "quest"])
 def test_resident_and_page_ops_honour_the_gate(selector):
-    """Layer 0 (on): the completion step at top_k; layer 1 (off): Top-k alone at the equal-cost Top-k, i.e. the
-    fp64 reference with the completion term masked; and layer 1 differs from the ungated step."""
+    """Layer 0 (on): the completion step at top_k with ``log φ_q + log_mass``; layer 1 (off): Top-k alone at the
+    equal-cost Top-k, i.e. the fp64 reference with the completion term masked; both differ from the ungated
+    step (layer 0 by its calibrated mass alone)."""
     outs, data, maps, cfg = _resident(selector, GATE)
     ungated, _, _, _ = _resident(selector, None)
     for layer, (q, k, v) in enumerate(data):
         base, comp = _reference_inputs(maps, layer, q, k, v, cfg)
         kl, on = layer_top_k(GATE, layer, cfg.top_k, feature_dim=F, head_dim=D)
         kw = dict(n_sink=cfg.n_sink, n_tail=cfg.n_tail, scale=D ** -0.5)
+        raw = (maps.log_phi_q(layer, q).detach(), *comp[1:])      # the maps' own log φ_q: the ungated step
         if selector == "exact":
             ref = (retrieval_completion_step(*base, *comp, top_k=kl, **kw) if on else
                    hybrid_decode_step(*base, top_k=kl, **kw))
-            full_comp = retrieval_completion_step(*base, *comp, top_k=cfg.top_k, **kw)
+            full_comp = retrieval_completion_step(*base, *raw, top_k=cfg.top_k, **kw)
         else:
             pages = dict(page_size=cfg.page_size)
             ref = (page_retrieval_completion_step(*base, *comp, budget_pages=cfg.pages_for(kl), **pages, **kw) if on
                    else hybrid_decode_step(*base, top_k=cfg.pages_for(kl), **pages, **kw))
-            full_comp = page_retrieval_completion_step(*base, *comp, budget_pages=cfg.pages_for(cfg.top_k), **pages,
+            full_comp = page_retrieval_completion_step(*base, *raw, budget_pages=cfg.pages_for(cfg.top_k), **pages,
                                                        **kw)
         assert _rel(outs[layer], ref) < 1e-6
         assert _rel(ungated[layer], full_comp) < 1e-6
         assert on == (layer == 0) and (kl > cfg.top_k) == (layer == 1)
-        if not on:
-            assert _rel(outs[layer], full_comp) > 1e-3     # the gate changed this layer's step
+        assert _rel(outs[layer], full_comp) > 1e-3     # the gate changed this layer's step
 
 
 # ----------------------------------------------------------------------------- the offloaded decode
@@ -170,10 +206,14 @@ def test_offloaded_decode_honours_the_gate():
                     torch.tensor(list(t["prompts"])))
             kw = dict(n_sink=cfg.n_sink, n_tail=cfg.n_tail, page_size=cfg.page_size, scale=0.25)
             pages, on = plans[layer]
-            completion = (t["lpq"][step][layer], t["lpk"][layer], *comp)
+            lpq = gated_log_phi_q(t["lpq"][step][layer], True, torch.tensor(GATE.log_mass[layer]))
+            completion = (lpq, t["lpk"][layer], *comp)
             ref = hybrid_decode_step(*base, top_k=pages, completion=completion if on else None, **kw)
             assert _rel(out, ref) < 1e-6
-            if not on:
+            if on:          # the calibrated mass changed the step
+                raw = hybrid_decode_step(*base, top_k=pages, completion=(t["lpq"][step][layer], *completion[1:]), **kw)
+                assert _rel(out, raw) > 1e-3
+            else:
                 ungated = hybrid_decode_step(*base, top_k=cfg.pages_for(cfg.top_k), completion=completion, **kw)
                 assert _rel(out, ungated) > 1e-3
 
@@ -183,16 +223,19 @@ def test_offloaded_decode_honours_the_gate():
 
 def test_every_surface_takes_the_gate_file(tmp_path):
     """``EngineArgs.completion_gate`` (so ``LLM`` and ``macattn serve --completion-gate``) reaches the engine's
-    ``CompletionConfig`` through ``completion_method``, which reads the file; other methods refuse it."""
+    ``CompletionConfig`` through ``completion_method``, which reads the file (its calibrated mass included); other
+    methods refuse it."""
     from macattn.runtime.completion_setup import completion_method
     from macattn.runtime.engine_args import EngineArgs
     from macattn.models.builtin import build_builtin_model
 
     model = build_builtin_model("llama", seed=0)
-    gate = CompletionGate(tuple(i % 2 == 0 for i in range(model.config.num_hidden_layers)), gen_len=4)
+    L, H = model.config.num_hidden_layers, model.config.num_attention_heads
+    gate = CompletionGate(tuple(i % 2 == 0 for i in range(L)), gen_len=4,
+                          log_mass=[[-0.5 * i - 0.1 * h for h in range(H)] for i in range(L)])
     path = gate.save(tmp_path / "gate.json")
     name, cfg, _ = completion_method(model, "completion", gate=str(path))
-    assert name == "completion" and cfg.gate == gate
+    assert name == "completion" and cfg.gate == gate and cfg.gate.log_mass == gate.log_mass
     name, cfg, _ = completion_method(model, "completion", gate=path, kv_offload="host",
                                      completion=CompletionConfig(selector="quest"))
     assert name == "completion_offload" and cfg.gate == gate

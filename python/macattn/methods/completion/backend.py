@@ -14,7 +14,8 @@ a KV cache and this method is the cache).
   (``decode_capturable``); the per-step log is written by ``decoded`` from host values.
 
 With a gate (``CompletionConfig.gate``) a layer whose term is off runs Top-k alone at the Top-k of equal
-token-equivalents (``reference.layer_top_k``), through the same op with ``log φ_q = -inf`` (``mask_log_phi_q``).
+token-equivalents (``reference.layer_top_k``), through the same op with ``log φ_q = -inf``; a layer whose term is
+on takes the gate's calibrated mass as ``log φ_q + δ`` (``gate.gated_log_phi_q``).
 
 ``budget_report`` gives the KV reads per decode step and KV head in token-equivalents
 (``macattn.methods.completion.reference.token_equivalents``) over the logged steps.
@@ -29,7 +30,7 @@ from macattn.methods.base import AttentionMethod, Capabilities, ModelDims
 from macattn.methods.completion import ops  # noqa: F401  (defines the torch ops)
 from macattn.methods.completion.feature_maps import CompletionFeatureMaps, fitted_maps
 from macattn.methods.completion.config import CompletionConfig
-from macattn.methods.completion.gate import mask_log_phi_q
+from macattn.methods.completion.gate import gated_log_phi_q
 from macattn.methods.completion.reference import (build_completion_cache, hybrid_decode_step, layer_top_k,
                                                   make_selector, page_retrieval_completion_step, partition,
                                                   retrieval_completion_step, token_equivalents)
@@ -54,7 +55,9 @@ class CompletionAttention(AttentionMethod):
         self.maps = fitted_maps(maps, dims)
         spec = self.maps.spec
         if config.gate is not None:
-            config.gate.check_layers(dims.num_layers)
+            config.gate.check_layers(dims.num_layers, dims.num_q_heads)
+        self._log_mass = (config.gate.log_mass_tensors(dims.device) if config.gate is not None
+                          else [None] * dims.num_layers)
         self.state = CompletionState.allocate(num_layers=dims.num_layers, num_slots=num_slots,
                                               num_kv_heads=dims.num_kv_heads, max_seq_len=max_seq_len,
                                               head_dim=dims.head_dim, feature_dim=spec.feature_dim, dtype=dims.dtype,
@@ -150,7 +153,8 @@ class CompletionAttention(AttentionMethod):
         """``macattn::retrieval_completion`` over every slot's rows in place (no gathered copy of
         any K/V): rows not in this step see their first token only (length 1, no prefill) and
         their outputs are dropped. One call per distinct Top-k (one call with a fixed ``top_k``,
-        which the op clamps to each row's mid region); the layer's gate picks its Top-k and masks its term."""
+        which the op clamps to each row's mid region); the layer's gate picks its Top-k and masks or weighs its
+        term."""
         st, cfg = self.state, self.config
         S = st.num_slots
         groups = [(cfg.top_k, None)] if cfg.top_k is not None else self._k_groups(slots)
@@ -158,7 +162,7 @@ class CompletionAttention(AttentionMethod):
         for k, idx in groups:
             k, on = self._layer_k(layer, k)
             sl, qs, lq, ln = (slots, q, lpq, seq_lens) if idx is None else (slots[idx], q[idx], lpq[idx], seq_lens[idx])
-            lq = mask_log_phi_q(lq, on)
+            lq = gated_log_phi_q(lq, on, self._log_mass[layer])
             lens = torch.ones(S, dtype=ln.dtype, device=ln.device)
             lens[sl] = ln
             npf = torch.zeros_like(lens)
@@ -183,7 +187,7 @@ class CompletionAttention(AttentionMethod):
 
     def _decode_reference(self, layer, q, lpq, slots, seq_lens, scale) -> torch.Tensor:
         """The fp64 reference functions on gathered rows (``use_op=False``, or a non-exact selector); the layer's
-        gate picks its Top-k and masks its term."""
+        gate picks its Top-k and masks or weighs its term."""
         st, cfg = self.state, self.config
         width = int(seq_lens.max())
         npf = st.n_prefill[slots]
@@ -192,7 +196,7 @@ class CompletionAttention(AttentionMethod):
             k, on = self._layer_k(layer, k)
             sl = slots[idx]
             args = (q[idx], st.k[layer][sl, :, :width], st.v[layer][sl, :, :width], seq_lens[idx], npf[idx],
-                    mask_log_phi_q(lpq[idx], on), st.log_phi_k[layer][sl, :, :width], st.comp_a[layer][sl], st.comp_b[layer][sl],
+                    gated_log_phi_q(lpq[idx], on, self._log_mass[layer]), st.log_phi_k[layer][sl, :, :width], st.comp_a[layer][sl], st.comp_b[layer][sl],
                     st.comp_shift[layer][sl])
             if cfg.selector == "exact":
                 out[idx] = retrieval_completion_step(*args, n_sink=cfg.n_sink, n_tail=cfg.n_tail, top_k=k, scale=scale)

@@ -8,13 +8,22 @@ chooses it on calibration prompts (``macattn.apps.tune.tune_completion_gate``) a
 ``save``; ``CompletionConfig(gate=FILE)`` reads it, and through it every surface that takes completion options
 (``EngineArgs.completion_gate``, ``LLM(..., completion_gate=FILE)``, ``completion_method``).
 
-Honoured by every decode path through ``reference.layer_top_k`` (the layer's Top-k and whether its term
-is on) and ``mask_log_phi_q`` (the resident and page ops: ``log φ_q = -inf`` gives the term zero weight, so the
-op computes exactly Top-k alone over its exact set); the offloaded decode skips the term and its ``log φ_k``
-page fetches natively.
+A layer whose term is on may also carry a calibrated mass (``log_mass``, per query head): the distilled maps
+estimate the unselected middle's softmax mass on the whole mid region, while the step needs what the Top-k leaves
+of it, and over-estimate it (by e^1.3 to e^2.3 on the built-in checkpoint, ``benchmarks/notes/completion_fidelity.md``).
+``log_mass[l][h] = δ`` multiplies the term's numerator and denominator by ``e^δ`` (its share of the softmax) and
+leaves its direction ``num / den`` as it is; ``macattn tune --completion`` fits it at the target budget
+(``macattn.methods.completion.mass``).
 
-File (JSON): ``{"kind": "completion_gate", "layers": [bool, ...], "gen_len": int, "tuned_for": {...}}``;
-``tuned_for`` records the settings it was chosen under (budget, sink / tail, maps; informational).
+Honoured by every decode path through ``reference.layer_top_k`` (the layer's Top-k and whether its term
+is on) and ``gated_log_phi_q`` (``log φ_q + δ``, or ``-inf`` for a layer whose term is off: the term's weight is
+exactly 0, so the op computes exactly Top-k alone over its exact set); the resident op, the page op and the
+offloaded decode all take ``log φ_q`` through it, and the offloaded decode also skips a gated-off layer's
+``log φ_k`` page fetches.
+
+File (JSON): ``{"kind": "completion_gate", "layers": [bool, ...], "gen_len": int, "log_mass": [[float, ...],
+...] (optional), "tuned_for": {...}}``; ``tuned_for`` records the settings it was chosen under (budget, sink /
+tail, maps; informational).
 """
 from __future__ import annotations
 
@@ -29,25 +38,35 @@ from macattn.core.validation import check_int
 if TYPE_CHECKING:            # the gate file is read without torch (CompletionConfig, EngineArgs' checks)
     import torch
 
-__all__ = ["CompletionGate", "mask_log_phi_q", "GATE_KIND"]
+__all__ = ["CompletionGate", "gated_log_phi_q", "GATE_KIND"]
 
 GATE_KIND = "completion_gate"
 
 
-def mask_log_phi_q(log_phi_q: torch.Tensor, on: bool) -> torch.Tensor:
-    """``log φ_q [..., F]`` unchanged when the layer's term is ``on``, else all ``-inf`` (φ_q = 0: the term's
-    numerator and its share of the denominator are exactly 0, the step is Top-k alone)."""
-    return log_phi_q if on else log_phi_q.new_full(log_phi_q.shape, -math.inf)
+def gated_log_phi_q(log_phi_q: torch.Tensor, on: bool, log_mass: torch.Tensor | None = None) -> torch.Tensor:
+    """``log φ_q [..., Hq, F]`` of a layer whose term is ``on``, plus its calibrated mass ``log_mass [Hq]``
+    (``CompletionGate.log_mass_tensors``; None: unchanged) on every feature of a head; all ``-inf`` when off
+    (φ_q = 0: the term's numerator and its share of the denominator are exactly 0, the step is Top-k alone)."""
+    if not on:
+        return log_phi_q.new_full(log_phi_q.shape, -math.inf)
+    if log_mass is None:
+        return log_phi_q
+    if log_mass.shape != log_phi_q.shape[-2:-1]:
+        raise ValueError(f"log_mass must be [Hq={log_phi_q.shape[-2]}], got {list(log_mass.shape)}")
+    return log_phi_q + log_mass.to(device=log_phi_q.device, dtype=log_phi_q.dtype)[:, None]
 
 
 @dataclass(frozen=True)
 class CompletionGate:
     """layers: per layer, True = the completion term is used (one entry per layer, all False allowed: the term
     off everywhere); gen_len: decode steps the cache is amortised over in ``reference.equal_cost_top_k`` (>= 1);
-    tuned_for: the settings it was chosen under."""
+    log_mass: None (no correction) or per layer one finite ``δ`` per query head added to ``log φ_q`` where the
+    term is on (the term's mass times ``e^δ``; read, never used, where it is off); tuned_for: the settings it was
+    chosen under."""
 
     layers: tuple[bool, ...]
     gen_len: int
+    log_mass: tuple[tuple[float, ...], ...] | None = None
     tuned_for: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -56,6 +75,8 @@ class CompletionGate:
             raise ValueError(f"layers must be a non-empty sequence of bools, got {self.layers!r}")
         object.__setattr__(self, "layers", tuple(self.layers))
         check_int("gen_len", self.gen_len, 1)
+        if self.log_mass is not None:
+            object.__setattr__(self, "log_mass", _log_mass_table(self.log_mass, len(self.layers)))
         if not isinstance(self.tuned_for, dict):
             raise TypeError(f"tuned_for must be a dict, got {type(self.tuned_for).__name__}")
 
@@ -63,23 +84,41 @@ class CompletionGate:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def check_layers(self, num_layers: int) -> None:
-        """``ValueError`` unless the gate has one entry per layer of a ``num_layers``-layer model."""
+    def check_layers(self, num_layers: int, num_q_heads: int | None = None) -> None:
+        """``ValueError`` unless the gate has one entry per layer of a ``num_layers``-layer model and (given
+        ``num_q_heads``) its ``log_mass`` one per query head."""
         if self.num_layers != num_layers:
             raise ValueError(f"the completion gate has {self.num_layers} layers, the model {num_layers}")
+        if num_q_heads is not None and self.log_mass is not None and len(self.log_mass[0]) != num_q_heads:
+            raise ValueError(f"the completion gate's log_mass has {len(self.log_mass[0])} heads per layer, the "
+                             f"model {num_q_heads} query heads")
+
+    def log_mass_tensors(self, device=None) -> list:
+        """Per layer the ``log_mass [Hq]`` fp32 tensor on ``device`` that ``gated_log_phi_q`` adds, or None
+        (no correction); made once by a backend, so a captured decode step copies nothing from the host."""
+        if self.log_mass is None:
+            return [None] * self.num_layers
+        import torch
+
+        return [torch.tensor(row, dtype=torch.float32, device=device) for row in self.log_mass]
 
     def to_dict(self) -> dict:
-        return {"kind": GATE_KIND, "layers": list(self.layers), "gen_len": self.gen_len, "tuned_for": self.tuned_for}
+        d = {"kind": GATE_KIND, "layers": list(self.layers), "gen_len": self.gen_len}
+        if self.log_mass is not None:
+            d["log_mass"] = [list(row) for row in self.log_mass]
+        return {**d, "tuned_for": self.tuned_for}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CompletionGate":
         if not isinstance(d, dict) or d.get("kind") != GATE_KIND:
             raise ValueError(f"not a completion gate (kind must be {GATE_KIND!r}), got "
                              f"{d.get('kind') if isinstance(d, dict) else type(d).__name__!r}")
-        unknown, missing = set(d) - {"kind", "layers", "gen_len", "tuned_for"}, {"layers", "gen_len"} - set(d)
+        unknown = set(d) - {"kind", "layers", "gen_len", "log_mass", "tuned_for"}
+        missing = {"layers", "gen_len"} - set(d)
         if unknown or missing:
             raise ValueError(f"completion gate fields: unknown {sorted(unknown)}, missing {sorted(missing)}")
-        return cls(layers=tuple(d["layers"]), gen_len=d["gen_len"], tuned_for=d.get("tuned_for", {}))
+        return cls(layers=tuple(d["layers"]), gen_len=d["gen_len"], log_mass=d.get("log_mass"),
+                   tuned_for=d.get("tuned_for", {}))
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
@@ -93,3 +132,15 @@ class CompletionGate:
         if not p.is_file():
             raise FileNotFoundError(f"completion gate {p} not found; write one with `macattn tune --completion`")
         return cls.from_dict(json.loads(p.read_text()))
+
+
+def _log_mass_table(rows, num_layers: int) -> tuple[tuple[float, ...], ...]:
+    """``rows`` checked as ``num_layers`` equal-length, non-empty sequences of finite numbers -> tuples of floats."""
+    ok = isinstance(rows, (tuple, list)) and len(rows) == num_layers and all(
+        isinstance(r, (tuple, list)) and r and len(r) == len(rows[0]) for r in rows)
+    if ok:
+        ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for r in rows for x in r)
+    if not ok:
+        raise ValueError(f"log_mass must hold, per layer ({num_layers}), the same number (>= 1) of finite floats "
+                         f"(one per query head), got {rows!r}")
+    return tuple(tuple(float(x) for x in r) for r in rows)

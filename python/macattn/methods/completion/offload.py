@@ -58,6 +58,7 @@ import torch
 from macattn.core.slot_pool import SlotPool
 from macattn.core.validation import check_int
 from macattn.methods.completion.config import CompletionConfig
+from macattn.methods.completion.gate import gated_log_phi_q
 from macattn.methods.completion.reference import (decode_retrieved_reference, layer_top_k, page_bounds, partition,
                                                   select_mid_pages_reference)
 
@@ -196,6 +197,7 @@ class OffloadedKV(SlotPool):
     _host_tokens: dict = field(default_factory=dict, repr=False)
     _copy_stream: object = None
     _events: list = field(default_factory=list, repr=False)
+    _log_mass: list = field(default_factory=list, repr=False)   # per layer the gate's log_mass [Hq] or None
 
     @classmethod
     def allocate(cls, cfg: CompletionConfig, off: OffloadConfig, *, num_layers: int, num_slots: int,
@@ -260,6 +262,7 @@ class OffloadedKV(SlotPool):
                  dev(S, H, C + 1, dt=torch.int64, fill=-1), torch.zeros(S, **i64), torch.zeros(S, **i64),
                  torch.zeros(S, **i64), torch.zeros(S, **i64), torch.zeros(S, **i64), torch.zeros(1, **i64), torch.zeros(S, dtype=torch.bool),
                  list(range(S - 1, -1, -1)), gpu if use_kernels is None else use_kernels, bool(completion))
+        st._log_mass = cfg.gate.log_mass_tensors(device) if cfg.gate is not None else [None] * L
         if gpu and off.prefetch == "query":
             st._copy_stream = torch.cuda.Stream(device)
             st._events = [torch.cuda.Event() for _ in range(L)]
@@ -419,6 +422,8 @@ class OffloadedKV(SlotPool):
         positions, rows = self.fetch(layer, q_all, n_prefill)
         if self._copy_stream is not None and layer + 1 < self.num_layers:
             self._prefetch(layer + 1, q_all if prefetch_q is None else prefetch_q, n_prefill)
+        if on:                                   # the gate's calibrated mass (an off layer's term is skipped)
+            lpq_all = gated_log_phi_q(lpq_all, True, self._log_mass[layer])
         args = (q_all, self.anchor_k[layer], self.anchor_v[layer], seq_lens, n_prefill, lpq_all, self.comp_a[layer],
                 self.comp_b[layer], self.comp_shift[layer], positions)
         kw = dict(retrieved=(self.cache_k[layer], self.cache_v[layer], self.cache_lpk[layer]), rows=rows,

@@ -305,7 +305,9 @@ def hybrid_decode_step(q, k_cache, v_cache, seq_lens, n_prefill, *, n_sink: int,
     The completion term applies iff the retrieved set misses a mid token.
     Returns ``out [B, Hq, d]`` in q's dtype; with ``return_parts`` also a dict of fp64
     ``[B, Hq]`` tensors: ``lse_exact`` (log Σ_E e^{l_t}), ``lse_comp`` (log of the completion
-    denominator, -inf when none) and ``k_eff`` (retrieved tokens).
+    denominator, -inf when none) and ``k_eff`` (retrieved tokens, int64), and of fp64 ``[B, Hq, d]`` tensors
+    ``out_exact`` (softmax over the exact set alone) and ``out_comp`` (the completion's ``num / den``, 0 when
+    none): ``out`` is their mix with weights ``e^lse_exact`` and ``e^lse_comp`` (``mass.reweighed_output``).
     """
     check_int("top_k", top_k, 0)
     check_int("page_size", page_size, 0)
@@ -328,6 +330,8 @@ def hybrid_decode_step(q, k_cache, v_cache, seq_lens, n_prefill, *, n_sink: int,
     out = torch.empty(bsz, hq, d, dtype=torch.float64, device=q.device)
     parts = {k: torch.full((bsz, hq), -math.inf, dtype=torch.float64) for k in ("lse_exact", "lse_comp")}
     parts["k_eff"] = torch.zeros(bsz, hq, dtype=torch.int64)
+    for name in ("out_exact", "out_comp"):
+        parts[name] = torch.zeros(bsz, hq, d, dtype=torch.float64)
     heads = torch.arange(hq, device=q.device)
     for i in range(bsz):
         p = partition(npf[i], sl[i], n_sink=n_sink, n_tail=n_tail)
@@ -362,7 +366,8 @@ def hybrid_decode_step(q, k_cache, v_cache, seq_lens, n_prefill, *, n_sink: int,
             lpk_sel = log_phi_k[i][gi, p.mid_start:p.mid_end].double().masked_fill(~sel[..., None], -math.inf)
             comp_i = (log_phi_q[i], lpk_sel, vv[:, p.mid_start:p.mid_end], comp_a[i][gi], comp_b[i][gi],
                       comp_shift[i][gi])
-        out[i], parts["lse_exact"][i], parts["lse_comp"][i] = _merge_one_normalisation(le, vv, comp_i)
+        out[i], parts["lse_exact"][i], parts["lse_comp"][i], parts["out_exact"][i], parts["out_comp"][i] = \
+            _merge_one_normalisation(le, vv, comp_i)
     out = out.to(q.dtype)
     return (out, parts) if return_parts else out
 
@@ -372,7 +377,8 @@ def _merge_one_normalisation(le: torch.Tensor, vv: torch.Tensor, completion=None
     (``-inf`` off the exact set) over values ``vv [H, n, d]``; ``completion`` None or ``(log_phi_q [H, F],
     lpk_sel [H, k, F] (-inf rows: not retrieved), v_sel [H, k, d], comp_A [H, F, d], comp_b [H, F],
     comp_shift [H, F])``: the cache minus the retrieved tokens (``subtract_retrieved``). Returns
-    ``(out [H, d], lse_exact [H], lse_comp [H])``."""
+    ``(out [H, d], lse_exact [H], lse_comp [H], out_exact [H, d], out_comp [H, d])`` (the last two: each part's
+    own normalised value, 0 where its denominator is 0; the log-sum-exps and these on the CPU)."""
     m = le.amax(-1)
     if completion is not None:
         lpq, lpk_sel, v_sel, comp_a, comp_b, comp_shift = completion
@@ -391,8 +397,11 @@ def _merge_one_normalisation(le: torch.Tensor, vv: torch.Tensor, completion=None
     we = torch.exp(le - m[:, None])
     den_e = we.sum(-1)
     den = (den_e + den_c)[:, None]
-    out = torch.where(den > 0, (torch.einsum("ht,htd->hd", we, vv) + num_c) / den.clamp_min(1e-300), 0.0)
-    return out, (torch.log(den_e) + m).cpu(), (torch.log(den_c) + m).cpu()
+    num_e = torch.einsum("ht,htd->hd", we, vv)
+    out = torch.where(den > 0, (num_e + num_c) / den.clamp_min(1e-300), 0.0)
+    o_e = torch.where(den_e[:, None] > 0, num_e / den_e.clamp_min(1e-300)[:, None], 0.0)
+    o_c = torch.where(den_c[:, None] > 0, num_c / den_c.clamp_min(1e-300)[:, None], 0.0)
+    return out, (torch.log(den_e) + m).cpu(), (torch.log(den_c) + m).cpu(), o_e.cpu(), o_c.cpu()
 
 
 def decode_retrieved_reference(q, k, v, seq_lens, n_prefill, log_phi_q, comp_A, comp_b, comp_shift, idx, *,
