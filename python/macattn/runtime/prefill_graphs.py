@@ -1,9 +1,9 @@
 """CUDA graphs of a packed prefill's work around the attention (vLLM's piecewise graphs).
 
 A packed prefill of a few thousand tokens is host-bound: at 8B shapes on an H100 a 1K-token call launches
-~900 kernels, 66 ms of host time for 28 ms of GPU time (``benchmarks/notes/serving.md``). Everything but the
-attention is the same shape for every call of ``N`` tokens, so it is captured once per token bucket and
-replayed; the attention — the method's, over each request's own segment and history — runs eagerly between
+~900 kernels, 66 ms of host time for 28 ms of GPU time under torch.profiler (``benchmarks/notes/serving.md``).
+Everything but the attention is the same shape for every call of ``N`` tokens, so it is captured once per token
+bucket and replayed; the attention — the method's, over each request's own segment and history — runs eagerly between
 the pieces, as the method would run it without graphs.
 
 Per bucket of ``Nb`` tokens (``PREFILL_GRAPH_BUCKETS``), ``L + 1`` graphs:
