@@ -41,7 +41,8 @@ class RuntimeConfig:
         the CPU it raises ``NotImplementedError``). On CUDA decode always runs the whole step per
         batch bucket (``runtime/cuda_decode.py``: the Triton plan over the paged pool, or the
         method's own state); this only chooses graph or eager (eager where the method's decode is
-        not capturable).
+        not capturable). It also captures a packed prefill's work around the attention per token bucket
+        up to 2048 tokens (``runtime/prefill_graphs.py``; not under tensor parallelism).
     fused_weights: run the model through ``macattn.models.fused.FusedForward`` (Q/K/V and
         gate/up fused at load, the decode-step kernels between the projections) instead of its
         transformers forward (FastMKA-patched models always run their transformers forward).
