@@ -52,6 +52,14 @@ def _problem(B, D, Dq, R, N, S, dtype, seed, gate, Nv=None):
                gate=torch.tensor(gate, dtype=dtype), wk=wk.to(dtype), bk=bk.to(dtype), wv=wv.to(dtype), bv=bv.to(dtype))
     return ins, mean, count, slots
 
+def _reference(up: dict, mean: torch.Tensor, count: torch.Tensor, slots: torch.Tensor, mode: int, beta: float):
+    """The fp64 reference of one decode step over ``up`` (``_problem``'s inputs in fp64): ``(k, v, lam)``; it
+    advances ``mean`` / ``count`` in place as the op does."""
+    return route_fused_decode_reference(up["x"], up["q"], up["w1"], up["b1"], up["w2"], up["b2"], up["gate"], mean, count,
+                                        slots, up["wk"], up["bk"], up["wv"], up["bv"], mode, beta,
+                                        compute_dtype=torch.float64)
+
+
 
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
@@ -66,9 +74,7 @@ def test_route_fused_matches_reference(shape, dtype, mode, beta, gate):
     ins, mean, count, slots = _problem(B, D, Dq, R, N, S, dtype, seed=hash((shape, mode, gate)) % 10_000, gate=gate)
     ref_mean, ref_count = mean.double(), count.clone()
     up = {k: v.double() for k, v in ins.items()}
-    rk, rv, rlam = route_fused_decode_reference(up["x"], up["q"], up["w1"], up["b1"], up["w2"], up["b2"], up["gate"],
-                                                ref_mean, ref_count, slots, up["wk"], up["bk"], up["wv"], up["bv"],
-                                                mode, beta, compute_dtype=torch.float64)
+    rk, rv, rlam = _reference(up, ref_mean, ref_count, slots, mode, beta)
     dev = {k: v.to(DEVICE) for k, v in ins.items()}
     d_mean, d_count, d_slots = mean.to(DEVICE), count.to(DEVICE), slots.to(DEVICE)
     k, v, lam = _triton()(dev["x"], dev["q"], dev["w1"], dev["b1"], dev["w2"], dev["b2"], dev["gate"], d_mean, d_count,
@@ -111,9 +117,7 @@ def test_route_fused_launch_configs_and_edge_shapes(shape, launch, dtype):
     ins, mean, count, slots = _problem(B, D, Dq, R, Nk, S, dtype, seed=sum(shape), gate=0.8, Nv=Nv)
     up = {k: v.double() for k, v in ins.items()}
     ref_mean, ref_count = mean.double(), count.clone()
-    rk, rv, rlam = route_fused_decode_reference(up["x"], up["q"], up["w1"], up["b1"], up["w2"], up["b2"], up["gate"],
-                                                ref_mean, ref_count, slots, up["wk"], up["bk"], up["wv"], up["bv"],
-                                                0, 0.0, compute_dtype=torch.float64)
+    rk, rv, rlam = _reference(up, ref_mean, ref_count, slots, 0, 0.0)
     dev = {k: v.to(DEVICE) for k, v in ins.items()}
     outs, states = [], []
     for split_launches in (False, True):
@@ -163,9 +167,7 @@ def test_route_fused_mixed_dtypes_fp32_router_bf16_activations():
         ins[name] = ins[name].float()
     up = {k: v.double() for k, v in ins.items()}
     ref_mean, ref_count = mean.double(), count.clone()
-    rk, rv, rlam = route_fused_decode_reference(up["x"], up["q"], up["w1"], up["b1"], up["w2"], up["b2"], up["gate"],
-                                                ref_mean, ref_count, slots, up["wk"], up["bk"], up["wv"], up["bv"],
-                                                0, 0.0, compute_dtype=torch.float64)
+    rk, rv, rlam = _reference(up, ref_mean, ref_count, slots, 0, 0.0)
     dev = {k: v.to(DEVICE) for k, v in ins.items()}
     d_mean, d_count = mean.to(DEVICE), count.to(DEVICE)
     k, v, lam = _triton()(dev["x"], dev["q"], dev["w1"], dev["b1"], dev["w2"], dev["b2"], dev["gate"], d_mean, d_count,
@@ -215,9 +217,7 @@ def test_route_fused_cuda_graph_replay_carries_state():
     ref_mean, ref_count = mean.double(), count.clone()
     up = {k: v.double() for k, v in ins.items()}
     for _ in range(4):   # the warm-up and the 3 replays each advance the state once (capture only records)
-        rk, rv, _ = route_fused_decode_reference(up["x"], up["q"], up["w1"], up["b1"], up["w2"], up["b2"], up["gate"],
-                                                 ref_mean, ref_count, slots, up["wk"], up["bk"], up["wv"], up["bv"],
-                                                 1, 0.8, compute_dtype=torch.float64)
+        rk, rv, _ = _reference(up, ref_mean, ref_count, slots, 1, 0.8)
     assert torch.equal(d_count.cpu(), ref_count)
     assert _rel(d_mean.cpu(), ref_mean) <= 1e-5
     assert _rel(outs[0].cpu(), rk) <= 1e-2
@@ -236,9 +236,7 @@ def test_route_fused_fp32_dots_take_capped_constants():
             ins[name] = ins[name].to(router)
         up = {k: v.double() for k, v in ins.items()}
         ref_mean, ref_count = mean.double(), count.clone()
-        rk, _, rlam = route_fused_decode_reference(up["x"], up["q"], up["w1"], up["b1"], up["w2"], up["b2"], up["gate"],
-                                                   ref_mean, ref_count, slots, up["wk"], up["bk"], up["wv"], up["bv"],
-                                                   0, 0.0, compute_dtype=torch.float64)
+        rk, _, rlam = _reference(up, ref_mean, ref_count, slots, 0, 0.0)
         dev = {k: v.to(DEVICE) for k, v in ins.items()}
         plan = RouteFusedPlan(dev["x"], dev["q"], dev["w1"], dev["b1"], dev["w2"], dev["b2"], dev["gate"],
                               mean.to(DEVICE, copy=True), count.to(DEVICE, copy=True), slots.to(DEVICE), dev["wk"],
