@@ -491,8 +491,9 @@ def engine_options(args) -> tuple[dict, dict]:
 
 
 def prewarm_graphs(llm) -> dict:
-    """Capture every decode bucket's greedy step and every prefill bucket's pieces before the first request
-    (``ModelExecutor.prewarm_graphs``), so no timed request pays a capture; the JSON records what happened."""
+    """What the server's engine captured before the first request (``EngineArgs.build_engine`` captures every decode
+    bucket's greedy step and every prefill bucket's pieces at start-up; ``ModelExecutor.prewarm_graphs`` captures
+    only what is missing and returns the sizes), so the JSON records that no timed request paid a capture."""
     try:
         return {"captured": llm.engine.executor.prewarm_graphs()}
     except Exception as exc:                                   # noqa: BLE001 - recorded; the first requests capture

@@ -26,9 +26,9 @@ def completion_method(model, method: str, *, completion=None, maps=None, gate=No
     """The engine's ``(method name, method_config, method_kwargs)``. ``completion``: a ``CompletionConfig``
     (default: exhaustive, or ``"quest"`` with ``kv_offload``); ``maps``: a ``CompletionFeatureMaps``, a
     ``save_feature_maps`` directory, or None (untrained init); ``gate``: the completion term's per-layer gate, a
-``CompletionGate`` or its JSON file (``macattn tune --completion``; read by ``CompletionConfig``), or None;
-``kv_offload``: None or ``"host"``; ``offload``:
-    an ``OffloadConfig``; ``prefix_store``: a directory. Other methods take none of these (``ValueError``)."""
+    ``CompletionGate`` or its JSON file (``macattn tune --completion``; read by ``CompletionConfig``), or None;
+    ``kv_offload``: None or ``"host"``; ``offload``: an ``OffloadConfig``; ``prefix_store``: a directory. Other
+    methods take none of these (``ValueError``)."""
     if kv_offload not in KV_OFFLOAD:
         raise ValueError(f"kv_offload must be one of {KV_OFFLOAD}, got {kv_offload!r}")
     if method != "completion":

@@ -26,21 +26,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from macattn.runtime.kv_cache import PrefillView
+
 __all__ = ["PrefillGraphs", "PREFILL_GRAPH_BUCKETS"]
 
 # Token counts with captured pieces: a packed call of N tokens replays the smallest bucket >= N (at most 255
 # padded tokens, ~4 ms of GEMMs at 8B shapes). Calls above the largest are GPU-bound and run eagerly.
 PREFILL_GRAPH_BUCKETS = (256, 512, 768, 1024, 1280, 1536, 1792, 2048)
-
-
-class _StaticRows:
-    """The ``PackedAppend`` view a piece captures: the bucket's static pool rows ``[Nb]`` int64."""
-
-    def __init__(self, cache, rows: torch.Tensor) -> None:
-        self.cache, self.rows = cache, rows
-
-    def pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cache.k[layer], self.cache.v[layer]
 
 
 @dataclass
@@ -144,8 +136,7 @@ class PrefillGraphs:
             b.h.copy_(h)
             return
         b.residual.copy_(residual)
-        q, k, v, q_pre = layers[i].project(h, 1, n, b.cos, b.sin, _StaticRows(self.cache, b.inputs[2]),
-                                           f.kernels)
+        q, k, v, q_pre = layers[i].project(h, 1, n, b.cos, b.sin, PrefillView(self.cache, b.inputs[2]), f.kernels)
         b.q.copy_(q)
         b.k.copy_(k)
         b.v.copy_(v)
@@ -166,14 +157,14 @@ class PrefillGraphs:
         hq, hkv, d = layer.num_q_heads, layer.num_kv_heads, layer.head_dim
         D, dt = f.norm.weight.shape[0], f.lm_head.weight.dtype
         cuda = dev.type == "cuda"
-        empty = lambda *shape: torch.zeros(*shape, dtype=dt, device=dev)   # noqa: E731 - finite padding rows
+        zeros = lambda *shape: torch.zeros(*shape, dtype=dt, device=dev)   # noqa: E731 - finite padding rows
         return _Bucket(
             size=n, host=torch.zeros(3, n, dtype=torch.int64, pin_memory=cuda),
             inputs=torch.zeros(3, n, dtype=torch.int64, device=dev),
-            cos=empty(1, n, d), sin=empty(1, n, d), residual=empty(n, D), attn=empty(n, hq * d),
-            q=empty(n, hq, d).transpose(0, 1).unsqueeze(0), k=empty(n, hkv, d).transpose(0, 1).unsqueeze(0),
-            v=empty(n, hkv, d).transpose(0, 1).unsqueeze(0),
-            q_pre=empty(1, n, hq * d) if self.needs_q_pre else None, h=empty(n, D),
+            cos=zeros(1, n, d), sin=zeros(1, n, d), residual=zeros(n, D), attn=zeros(n, hq * d),
+            q=zeros(n, hq, d).transpose(0, 1).unsqueeze(0), k=zeros(n, hkv, d).transpose(0, 1).unsqueeze(0),
+            v=zeros(n, hkv, d).transpose(0, 1).unsqueeze(0),
+            q_pre=zeros(1, n, hq * d) if self.needs_q_pre else None, h=zeros(n, D),
             copied=torch.cuda.Event() if cuda else None)
 
     def _capture(self, b: _Bucket) -> None:
