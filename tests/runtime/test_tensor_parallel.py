@@ -153,6 +153,19 @@ def test_in_flight_batching_equals_solo_runs():
     assert len(metrics) == 4 and all(0.0 <= m["mac_hit_rate"] <= 1.0 for m in metrics)
 
 
+def test_engine_start_up_captures_on_every_rank():
+    """``EngineArgs.build_engine`` captures the CUDA graphs at start-up; under TP every rank captures together (a
+    decode bucket's capture runs the step's all-reduces: rank 0 alone hung on two GPUs). On the CPU nothing is
+    captured, but the call must reach each rank: one result per rank."""
+    from macattn.runtime.engine_args import EngineArgs
+
+    eng = EngineArgs(model="builtin", max_batch_size=1, max_seq_len=64, tensor_parallel_size=2).build_engine()
+    try:
+        assert eng.executor.prewarm_graphs() == [{"decode": [], "prefill": []}] * 2
+    finally:
+        eng.close()
+
+
 def test_llm_api_tp2_equals_tp1():
     from macattn import LLM, SamplingParams
 
@@ -334,6 +347,45 @@ def test_rank0_stuck_in_an_op_after_a_worker_died_exits_with_the_cause(tmp_path)
             proc.kill()
     assert proc.returncode == EXIT_WEDGED, (proc.returncode, out, err[-2000:])
     assert "RETURNED" not in out
+    assert re.search(r"rank 1 \(pid \d+\) exited with code \d+; NCCL cannot release .* exits with code 70", err), err
+    assert _gone(pid)
+
+
+_ABORT_AT_EXIT = textwrap.dedent("""
+    import sys, threading
+    import macattn.runtime.tensor_parallel.group as tp
+
+    tp._WEDGE_GRACE_S = 1.0
+    tp.abort_quietly = lambda part, peer_died=False: threading.Event().wait(600)   # as NCCL's abort of a dead peer
+    if __name__ == "__main__":
+        group = tp.TensorParallelGroup(2, ["cpu", "cpu"], 30.0)
+        print(group.procs[0].pid, flush=True)
+        try:
+            group.run(0, "no such op", (), lambda: group.control.broadcast(None))   # the worker exits; rank 0 fails
+        except tp.TensorParallelError as exc:
+            print("RAISED", exc, flush=True)
+        sys.exit(0)
+""")
+
+
+def test_an_abort_still_running_at_exit_ends_the_process_with_the_cause(tmp_path):
+    """The NCCL abort of a group whose peer died can outlive the op (H200 x2: it had not returned when the script
+    exited, and the interpreter's finalization unwound its thread: SIGABRT, "terminate called recursively"). At
+    exit ``shutdown_all`` waits ``_WEDGE_GRACE_S`` for it, then exits ``EXIT_WEDGED`` naming the dead rank."""
+    from macattn.runtime.tensor_parallel import EXIT_WEDGED
+
+    script = tmp_path / "abort_at_exit.py"
+    script.write_text(_ABORT_AT_EXIT)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        pid = int(proc.stdout.readline())
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "RAISED" in out, (out, err[-2000:])
+    assert proc.returncode == EXIT_WEDGED, (proc.returncode, out, err[-2000:])
     assert re.search(r"rank 1 \(pid \d+\) exited with code \d+; NCCL cannot release .* exits with code 70", err), err
     assert _gone(pid)
 

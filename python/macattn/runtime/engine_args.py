@@ -262,9 +262,7 @@ class EngineArgs:
             config = replace(config, num_blocks=blocks)
         engine = LLMEngine(model, self.mac_config() if mac else None, config, method=name,
                            method_config=None if mac else method_config, method_kwargs=method_kwargs)
-        prewarm = getattr(engine.executor, "prewarm_graphs", None)     # a tensor-parallel group captures lazily
-        if prewarm is not None:
-            prewarm()        # every CUDA graph now (vLLM's start-up capture): no request pays one
+        engine.executor.prewarm_graphs()   # every CUDA graph now, on every rank (vLLM's start-up capture)
         return engine
 
     def kv_blocks_from_memory(self, model) -> int | None:

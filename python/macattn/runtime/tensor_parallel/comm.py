@@ -197,11 +197,11 @@ def _gloo(store, rank: int, size: int, timeout: datetime.timedelta):
     return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
-def abort_quietly(part) -> None:
+def abort_quietly(part, peer_died: bool = False) -> None:
     """Abort ``part``'s process group (a ``ControlChannel`` or ``ProcessGroupCollectives``), ignoring errors. An
-    aborted NCCL group is kept alive until the process ends (``_keep_until_exit``)."""
+    NCCL group aborted because a peer died is kept alive until the process ends (``_keep_until_exit``)."""
     try:
-        if isinstance(part.pg, dist.ProcessGroupNCCL):
+        if peer_died and isinstance(part.pg, dist.ProcessGroupNCCL):
             _keep_until_exit(part.pg)
         part.pg.abort()
     except Exception:

@@ -178,6 +178,11 @@ class TensorParallelExecutor:
 
         return self.group.run(self.engine_id, "run", (fn, args), local)
 
+    def prewarm_graphs(self) -> list[dict[str, list[int]]]:
+        """Every rank captures its CUDA graphs together (``ModelExecutor.prewarm_graphs``): a decode bucket's
+        capture runs the step's all-reduces, which rank 0 alone would wait on forever. Per rank, in rank order."""
+        return self.run_on_ranks(_prewarm_graphs)
+
     def request_metrics(self, slot: int) -> dict[str, float]:
         """The request's figures over every rank's heads: each rank's ``request_metrics_part``, combined
         by the method (``combine_request_metrics``)."""
@@ -192,3 +197,9 @@ class TensorParallelExecutor:
 def _request_metrics_part(executor: ModelExecutor, slot: int):
     """A rank's share of the figures of the request in ``slot`` (``AttentionMethod.request_metrics_part``)."""
     return executor.method.request_metrics_part(slot)
+
+
+@rank_function
+def _prewarm_graphs(executor: ModelExecutor) -> dict[str, list[int]]:
+    """A rank's ``ModelExecutor.prewarm_graphs`` (its buckets' captures, the collectives inside them in step)."""
+    return executor.prewarm_graphs()

@@ -78,8 +78,7 @@ class TensorParallelGroup:
         while self.broken is None:
             if self._dead():
                 for part in (self.comm, self.control):
-                    # the NCCL abort can block (module doc): never on this thread
-                    threading.Thread(target=abort_quietly, args=(part,), daemon=True).start()
+                    self._abort_in_background(part)     # the NCCL abort can block (module doc): never here
                 if self.backend == "nccl":
                     deadline = time.monotonic() + _WEDGE_GRACE_S
                     while self._in_op and time.monotonic() < deadline:
@@ -89,8 +88,18 @@ class TensorParallelGroup:
                 return
             threading.Event().wait(0.2)
 
-    def _exit_wedged(self) -> None:
-        msg = (f"macattn tensor-parallel: the group of {self.size} ranks stopped during a collective"
+    def _abort_in_background(self, part) -> threading.Thread:
+        """Abort ``part``'s process group on a daemon thread, kept in ``_aborting`` until it returns: an abort still
+        inside NCCL when the interpreter finalizes ends the process with ``std::terminate`` (the thread is
+        unwound through the binding's GIL guard), so ``shutdown_all`` waits for these at exit."""
+        t = threading.Thread(target=abort_quietly, args=(part, bool(self._dead())), name="macattn-tp-abort",
+                             daemon=True)
+        _aborting[:] = [(a, g) for a, g in _aborting if a.is_alive()] + [(t, self)]
+        t.start()
+        return t
+
+    def _exit_wedged(self, during: str = "during a collective") -> None:
+        msg = (f"macattn tensor-parallel: the group of {self.size} ranks stopped {during}"
                f"{self._dead_summary()}; NCCL cannot release this process's GPU stream, so the process exits "
                f"with code {EXIT_WEDGED} (restart it, or run the engine in a child process)")
         print(msg, file=sys.stderr, flush=True)
@@ -174,9 +183,7 @@ class TensorParallelGroup:
                 part = getattr(self, name, None)
                 if part is not None:
                     # closes our connections (a waiting worker's recv ends); an NCCL abort can block: bounded
-                    t = threading.Thread(target=abort_quietly, args=(part,), daemon=True)
-                    t.start()
-                    t.join(5.0)
+                    self._abort_in_background(part).join(5.0)
                     setattr(self, name, None)
             self._stop_processes(timeout_s)
             with TensorParallelGroup._live_lock:
@@ -198,10 +205,21 @@ class TensorParallelGroup:
 
 
 
+_aborting: list[tuple[threading.Thread, TensorParallelGroup]] = []    # abort threads started, with their group
+
+
 def shutdown_all() -> None:
-    """Shut down every live tensor-parallel group of this process (also run at exit)."""
+    """Shut down every live tensor-parallel group of this process (also run at exit), then wait up to
+    ``_WEDGE_GRACE_S`` for every group abort still running; one still inside NCCL by then would end the
+    interpreter's finalization with ``std::terminate`` (SIGABRT), so the process exits ``EXIT_WEDGED`` naming
+    the dead rank instead (module doc)."""
     for group in list(TensorParallelGroup._live.values()):
         group.shutdown()
+    deadline = time.monotonic() + _WEDGE_GRACE_S
+    for t, group in list(_aborting):
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            group._exit_wedged("and its NCCL abort has not returned at exit")
 
 
 atexit.register(shutdown_all)
