@@ -32,7 +32,9 @@ On GPUs a peer that dies while rank 0 is inside a collective leaves rank 0's str
 never finishes, and ``ncclCommAbort`` does not release it (measured on two H200s, NCCL 2.28: the abort
 itself times out): rank 0's process cannot continue. As torch's own NCCL watchdog does on a collective
 timeout, rank 0 then stops its workers, prints ``macattn tensor-parallel: ...`` naming the dead rank and
-exits with code ``EXIT_WEDGED`` (70) once the op has not returned for ``_WEDGE_GRACE_S``. A server in
+exits with code ``EXIT_WEDGED`` (70) once the op has not returned for ``_WEDGE_GRACE_S``; likewise at exit when
+its abort of the group is still inside NCCL after that grace (finalizing the interpreter around it ends in
+SIGABRT). A server in
 front of the engine is a process to restart; a library user who must survive a lost GPU worker runs the
 engine in a child process.
 
