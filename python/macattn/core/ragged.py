@@ -176,16 +176,20 @@ class RaggedPrefill:
         return torch.cat([k_old, k_new], dim=2), torch.cat([v_old, v_new], dim=2)
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scale: float, each=None) -> torch.Tensor:
+               scale: float, each=None, segment_attention=None) -> torch.Tensor:
         """Causal attention of every segment: ``query [1, Hq, N, d]`` (post-RoPE), ``key / value
         [1, Hkv, N, d]`` (this call's tokens) -> ``[1, N, Hq, d]`` in ``query``'s dtype. ``each(i, k, v)``, when
         given, gets segment ``i``'s keys / values (``segment_kv``'s) as they are used, so a method writing
-        per-segment state reads them without gathering a continued segment's history again."""
+        per-segment state reads them without gathering a continued segment's history again.
+        ``segment_attention(i, q, k, v)``, when given, may compute segment ``i``'s causal attention itself
+        (``[1, Hq, Q, d]``, e.g. with the method's state as a by-product) or return None for
+        ``causal_attention``'s; it runs before ``each(i, k, v)``."""
         outs = []
         for i, seg in enumerate(self.segments):
             k, v = self.segment_kv(layer, i, key, value)
             q = query[:, :, seg.offset: seg.offset + seg.length]
-            outs.append(causal_attention(q, k, v, scale).transpose(1, 2))
+            out = None if segment_attention is None else segment_attention(i, q, k, v)
+            outs.append((causal_attention(q, k, v, scale) if out is None else out).transpose(1, 2))
             if each is not None:
                 each(i, k, v)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

@@ -18,13 +18,14 @@ import torch
 
 from macattn.core.attention import check_no_padding, full_attention_reference
 from macattn.core.indexing import index_store_
+from macattn.core.summaries import AttentionSummary
 from macattn.methods.base import AttentionMethod, Capabilities, DecodeGeometry, DecodeRows, ModelDims, StepContext
 from macattn.methods.mac import ops  # noqa: F401  (defines torch.ops.macattn.mac_match / mac_attend)
 from macattn.methods.mac.config import ENGINE_MISS_POLICIES, MacConfig
 from macattn.methods.mac.decode_plans import MacDecodePlans
 from macattn.methods.mac.match_sketch import sketch
 from macattn.methods.mac.reference import mac_match_two_stage_reference
-from macattn.methods.mac.seeding import seed_rings_, tail_summaries
+from macattn.methods.mac.seeding import band_split_applies, band_split_attention, seed_rings_, tail_summaries
 from macattn.methods.mac.state import MacState
 
 __all__ = ["MacAttention"]
@@ -165,6 +166,17 @@ class MacAttention(AttentionMethod):
         q_pre = self.match_query(layer, q_pre)
         if step.prefill is not None:         # a packed call: attend, seeding each segment's ring row on its K/V
             plan = step.prefill
+            far: dict[int, AttentionSummary] = {}
+
+            def attention(i, q, k, v):
+                # a continued chunk holding ring positions: its attention yields their summaries (one pass)
+                if plan.segments[i].last_positions(params.window) == 0 or not band_split_applies(q, k, params.band):
+                    return None
+                got = band_split_attention(q, k, v, band=params.band, scale=scale)
+                if got is None:
+                    return None
+                far[i] = got[1]
+                return got[0]
 
             def seed(i, k, v):
                 seg = plan.segments[i]
@@ -173,9 +185,9 @@ class MacAttention(AttentionMethod):
                     return
                 part = slice(seg.offset, seg.offset + seg.length)
                 self._seed(layer, plan.slot_row(i, query.device), params, query[:, :, part], q_pre[:, :, part],
-                           k, v, scale, keep=keep, host_slots=[seg.slot])
+                           k, v, scale, keep=keep, host_slots=[seg.slot], summary=far.pop(i, None))
 
-            return plan.attend(layer, query, key, value, scale, each=seed)
+            return plan.attend(layer, query, key, value, scale, each=seed, segment_attention=attention)
         out, _ = fallback(module, query, key, value, attention_mask, scaling=scale, **kwargs)
         if S == T and layer == 0 and step.slots is None:
             self.start_batch(B)
@@ -188,13 +200,15 @@ class MacAttention(AttentionMethod):
         return out
 
     def _seed(self, layer: int, slots: torch.Tensor, params, query, q_pre, key, value, scale: float,
-              rings=None, keep: int | None = None, host_slots: list[int] | None = None) -> None:
+              rings=None, keep: int | None = None, host_slots: list[int] | None = None,
+              summary: AttentionSummary | None = None) -> None:
         """Seed ring rows ``slots [B]`` from a prefill call: ``query / q_pre [B, Hq, T, d]`` at the last
         ``T`` positions of ``key / value [B, Hkv, S, d]``. A fresh prompt (``S == T``) resets and seeds
         whole rows with tensor ops (traceable; ``rings``: the export's explicit ring tensors); a chunk
         after earlier ones writes its last ``min(K, T, keep)`` positions on top of the row (``keep``: how
         many of them later chunks leave in the ring; ``host_slots``: ``slots`` as ints, where the caller has
-        them, so the host does not wait for the GPU to read them back)."""
+        them, so the host does not wait for the GPU to read them back; ``summary``: the chunk's queries' rectified
+        summaries where its attention already made them, ``band_split_attention``'s far part)."""
         T, S = query.shape[2], key.shape[2]
         if S == T:
             seed_rings_(self._rings(StepContext(rings=rings), layer), slots, query, q_pre, key, value,
@@ -203,7 +217,8 @@ class MacAttention(AttentionMethod):
                 self.state.sketch_rows_(layer, slots)
             return
         n = min(params.window, T, T if keep is None else keep)
-        summ = tail_summaries(query[:, :, T - n:], key, value, band=params.band, scale=scale)
+        summ = (tail_summaries(query[:, :, T - n:], key, value, band=params.band, scale=scale) if summary is None
+                else AttentionSummary(summary.o[:, :, T - n:], summary.lse[:, :, T - n:]))
         qpos = torch.arange(S - n, S, device=query.device)
         for b, slot in enumerate(slots.tolist() if host_slots is None else host_slots):
             self.state.seed(layer, slot, qpos, q_pre[b, :, T - n:], type(summ)(summ.o[b], summ.lse[b]))

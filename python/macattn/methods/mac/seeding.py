@@ -22,10 +22,12 @@ from __future__ import annotations
 import torch
 
 from macattn.core.attention import expand_kv_heads
+from macattn.core.ragged import uses_cudnn
 from macattn.core.summaries import AttentionSummary, summarize
 from macattn.methods.mac.reference import rectified_summaries_reference
 
-__all__ = ["seeded_ring_rows", "seed_rings_", "tail_summaries", "fused_seeding_applies"]
+__all__ = ["seeded_ring_rows", "seed_rings_", "tail_summaries", "fused_seeding_applies", "band_split_applies",
+           "band_split_attention"]
 
 
 def fused_seeding_applies(query: torch.Tensor) -> bool:
@@ -63,6 +65,48 @@ def tail_summaries(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return AttentionSummary(o, torch.where(empty, float("-inf"), lse.float()))
 
 
+def band_split_applies(query: torch.Tensor, key: torch.Tensor, band: int) -> bool:
+    """Whether ``band_split_attention`` serves a continued chunk ``query [1, Hq, Q, d]`` over ``key [1, Hkv, S, d]``:
+    the fused seeding applies, every query has ``band`` earlier keys before its band (``S - Q >= band``, so no
+    query's far part is empty), and the chunk would run on flash anyway (``not uses_cudnn``: the far part is a
+    flash call, and cuDNN's lower-right split beats flash where its plan pays)."""
+    Q, S = query.shape[2], key.shape[2]
+    return (band >= 1 and S - Q >= band and fused_seeding_applies(query) and not uses_cudnn(Q, S)
+            and _WINDOW_OK.get(query.device, True))
+
+
+def band_split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, band: int,
+                         scale: float) -> tuple[torch.Tensor, AttentionSummary] | None:
+    """A continued chunk's causal attention and its queries' rectified summaries in one pass over the keys
+    (``band_split_applies``): ``query [1, Hq, Q, d]`` at positions ``t = S - Q .. S - 1`` of ``key / value
+    [1, Hkv, S, d]``. The far part — keys ``0 .. t - band``, ``tail_summaries`` of every query — is what MAC's
+    ring keeps; the near part — keys ``t - band + 1 .. t``, flash with a left window of ``band - 1`` over the
+    last ``Q + band - 1`` keys — completes it, merged through the two log-sum-exps in fp32. Seeding a chunk
+    this way costs the near part (``Q x band``) instead of a second pass of the ring's queries over all ``S``
+    keys. Returns ``(out [1, Hq, Q, d] in query's dtype, far)`` (far: o ``[1, Hq, Q, d]``, lse ``[1, Hq, Q]``,
+    fp32), or None where this torch's flash takes no window (then the caller attends as before)."""
+    Q, S = query.shape[2], key.shape[2]
+    lo = S - Q - band + 1
+    k_near, v_near = key[:, :, lo:], value[:, :, lo:]
+    if k_near.shape[1] != query.shape[1] and not _native_gqa(query, k_near, v_near, scale):
+        k_near, v_near = expand_kv_heads(k_near, query.shape[1]), expand_kv_heads(v_near, query.shape[1])
+    try:
+        near_o, near_lse = torch.ops.aten._flash_attention_forward(
+            query.transpose(1, 2).contiguous(), k_near.transpose(1, 2).contiguous(),
+            v_near.transpose(1, 2).contiguous(), None, None, Q, S - lo, 0.0, True, False, scale=scale,
+            window_size_left=band - 1, window_size_right=0)[:2]
+    except (RuntimeError, TypeError):
+        _WINDOW_OK[query.device] = False
+        return None
+    far = tail_summaries(query, key, value, band=band, scale=scale)
+    near_lse = near_lse.float()
+    lse = torch.logaddexp(far.lse, near_lse)
+    out = (far.o * torch.exp(far.lse - lse).unsqueeze(-1)
+           + near_o.transpose(1, 2).float() * torch.exp(near_lse - lse).unsqueeze(-1))
+    return out.to(query.dtype), far
+
+
+_WINDOW_OK: dict = {}
 _GQA_OK: dict = {}
 
 
