@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from macattn.core.validation import all_ints
 from macattn.methods.mac.config import MacConfig
 from macattn.runtime.engine_args import EngineArgs
 from macattn.runtime.sampling import DIVISOR_RANGE, MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_TOKEN_IDS
@@ -342,7 +343,7 @@ _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 def _is_token_ids(x) -> bool:
-    return isinstance(x, (list, tuple)) and len(x) > 0 and all(_is_int(t) for t in x)
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all_ints(x)
 
 
 def _prompt_list(prompts) -> list:
@@ -564,8 +565,9 @@ class LLM:
                 self._engine_loop = _EngineLoop(self)
             return self._engine_loop
 
-    def _prompt_ids(self, prompt, sp: SamplingParams, where: str) -> tuple[str | None, list[int]]:
-        """``(prompt text or None, token ids)`` of one prompt (``generate``'s forms)."""
+    def _prompt_ids(self, prompt, sp: SamplingParams, where: str) -> tuple[str | None, list[int] | tuple[int, ...]]:
+        """``(prompt text or None, token ids)`` of one prompt (``generate``'s forms); token ids given are passed on
+        as they are, not copied (``LLMEngine.make_request`` keeps a copy of its own)."""
         if isinstance(prompt, Mapping):
             unknown = [k for k in prompt if k not in _PROMPT_KEYS]
             if unknown:
@@ -576,9 +578,9 @@ class LLM:
                 raise TypeError(f"{where}['prompt'] must be a string, got {type(text).__name__}")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+                if not isinstance(ids, (list, tuple)) or not all_ints(ids):
                     raise TypeError(f"{where}['prompt_token_ids'] must be a list of ints")
-                return text, list(ids)
+                return text, ids
             if text is None:
                 raise ValueError(f"{where} must have 'prompt' (text) or 'prompt_token_ids'")
             prompt = text
@@ -587,7 +589,7 @@ class LLM:
                 raise ValueError(f"{where} is empty")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=sp.add_special_tokens)
         if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
+            return None, prompt
         raise TypeError(f"{where} must be a string, a token id list or a prompt dict, got {type(prompt).__name__}")
 
     def _request(self, prompt, sp: SamplingParams, *, index: int | None = None, reuse_prefix: bool = False):

@@ -2,13 +2,14 @@
 
 Each check raises ``TypeError`` for a value of the wrong type and ``ValueError`` for one out of
 range, naming the parameter and the accepted range, e.g. ``window must be an int >= 1, got 0``.
+``all_ints`` is the element test of token-id lists (each caller words its own error).
 """
 from __future__ import annotations
 
 import math
 from typing import Any
 
-__all__ = ["ArgumentTypeError", "check_int", "check_float", "check_bool", "check_tau", "check_choice"]
+__all__ = ["ArgumentTypeError", "check_int", "check_float", "check_bool", "check_tau", "check_choice", "all_ints"]
 
 
 class ArgumentTypeError(TypeError, ValueError):
@@ -63,3 +64,9 @@ def check_choice(name: str, value: Any, choices: tuple) -> Any:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     return value
+
+
+def all_ints(values: list | tuple) -> bool:
+    """Whether every element of ``values`` is an int and not a bool (True when empty). The distinct element
+    types are checked, not each element: a 32K-token prompt in ~0.6 ms instead of ~3 ms per Python-level pass."""
+    return all(issubclass(t, int) and not issubclass(t, bool) for t in set(map(type, values)))

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from macattn.core.validation import all_ints
 from macattn.methods.base import AttentionMethod, ModelDims
 from macattn.methods.registry import method_class
 
@@ -99,7 +100,7 @@ def check_input_ids(input_ids, *, vocab_size: int, name: str = "input_ids") -> l
             raise ValueError(f"{name} must be 1-D [seq_len], got shape {tuple(input_ids.shape)}")
         ids = input_ids.tolist()
     elif isinstance(input_ids, (list, tuple)):
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+        if not all_ints(input_ids):
             raise TypeError(f"{name} must be a sequence of ints or an integer tensor")
         ids = list(input_ids)
     else:

@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from macattn.core.validation import all_ints
+
 __all__ = ["Problems", "GenRequest", "FIELDS", "NOT_SUPPORTED", "MAX_LOGPROBS", "parse_completion", "parse_chat",
            "parse_tokenize", "parse_detokenize", "chat_messages"]
 
@@ -128,8 +130,13 @@ def _str(body: dict, name: str, p: Problems, default: Any = None):
     return v
 
 
+def _ids(v: Any) -> bool:
+    """A list of token ids (integers >= 0), possibly empty; a 32K-id prompt in ~1 ms (``all_ints``, ``min``)."""
+    return isinstance(v, list) and all_ints(v) and (not v or min(v) >= 0)
+
+
 def _token_ids(v: Any) -> bool:
-    return isinstance(v, list) and bool(v) and all(_is_int(t) and t >= 0 for t in v)
+    return bool(v) and _ids(v)
 
 
 # --- the field groups ------------------------------------------------------------------------
@@ -306,7 +313,7 @@ def _common(body: dict, r: GenRequest, p: Problems) -> None:
         p.add("min_tokens", f"must be <= max_tokens ({r.max_tokens}), got {s['min_tokens']}")
     ids = body.get("stop_token_ids")
     if ids is not None:
-        if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+        if not _ids(ids):
             p.add("stop_token_ids", f"must be a list of token ids (integers >= 0), got {_show(ids)}")
         elif ids:
             s["stop_token_ids"] = list(ids)
@@ -379,9 +386,9 @@ def parse_completion(raw: Any) -> tuple[GenRequest, Problems]:
         else:
             p.add("prompt", "is empty")
     elif isinstance(prompt, list) and prompt:
-        if all(_is_int(t) for t in prompt):
-            if _token_ids(prompt):
-                r.prompts = [list(prompt)]
+        if all_ints(prompt):
+            if min(prompt) >= 0:
+                r.prompts = [prompt]          # the body's own list: not copied
             else:
                 p.add("prompt", "token ids must be integers >= 0")
         elif all(isinstance(x, str) for x in prompt):
@@ -393,7 +400,7 @@ def parse_completion(raw: Any) -> tuple[GenRequest, Problems]:
             for i, x in enumerate(prompt):
                 if not _token_ids(x):
                     p.add(f"prompt[{i}]", "must be a non-empty list of token ids (integers >= 0)")
-            r.prompts = [list(x) for x in prompt]
+            r.prompts = list(prompt)
         else:
             p.add("prompt", f"{shape}; got a list mixing {sorted({_kind(x) for x in prompt})}")
     else:
@@ -541,7 +548,7 @@ def parse_detokenize(raw: Any) -> tuple[dict, Problems]:
         if k not in ("model", "tokens"):
             p.add(k, "unknown field")
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(_is_int(t) and t >= 0 for t in tokens):
+    if not _ids(tokens):
         p.add("tokens", f"must be a list of token ids (integers >= 0), got {_show(tokens)}")
         tokens = []
     return {"model": _str(body, "model", p), "tokens": tokens}, p
