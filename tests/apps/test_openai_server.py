@@ -551,3 +551,19 @@ def test_metrics_follow_each_requests_final_state_after_engine_failures():
     assert 'macattn_requests_total{endpoint="/v1/completions",status="500"} 2.0' in text
     assert 'status="499"' not in text
     assert "macattn_requests_running 0.0" in text
+
+
+def test_the_start_up_heap_is_frozen_while_serving_only():
+    """What exists when the server starts (model, engine, app) is out of the collector's full passes while it
+    serves, and back in after shutdown (so the process's objects are finalized at exit)."""
+    import gc
+
+    from fastapi.testclient import TestClient
+
+    with LLM("builtin", max_batch_size=1, max_seq_len=64) as llm:
+        app = build_app(llm, "builtin")
+        assert gc.get_freeze_count() == 0
+        with TestClient(app) as c:
+            assert gc.get_freeze_count() > 0
+            assert c.get("/health").status_code == 200
+        assert gc.get_freeze_count() == 0
