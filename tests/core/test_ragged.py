@@ -102,3 +102,33 @@ def test_cudnn_only_where_the_work_repays_its_plan_build(Q, S, cudnn):
     """The measured points of ``CUDNN_MIN_WORK`` (H100): cuDNN where 32 layers save more than its ~70 ms
     per-shape plan build, flash elsewhere."""
     assert ragged.uses_cudnn(Q, S) is cudnn
+
+
+def test_a_segments_own_attention_replaces_the_causal_one_where_it_answers():
+    """``attend(segment_attention=...)``: a segment whose callable returns a tensor takes it (here: a marker),
+    one whose callable returns None gets the causal attention; the callable sees each segment's queries and its
+    whole keys / values (history first) before ``each`` does."""
+    g = torch.Generator().manual_seed(11)
+    Hq, Hkv, d, case = 4, 2, 8, [(6, 3), (0, 5), (2, 4)]
+    N, rows_total = 12, 16
+    k_pool, v_pool = torch.randn(rows_total, Hkv, d, generator=g), torch.randn(rows_total, Hkv, d, generator=g)
+    query, key, value = (torch.randn(1, h, N, d, generator=g) for h in (Hq, Hkv, Hkv))
+    segments, off, r = [], 0, 0
+    for start, n in case:
+        segments.append(PrefillSegment(off, n, start, slot=len(segments),
+                                       history=torch.arange(r, r + start) if start else None))
+        off, r = off + n, r + start
+    plan = RaggedPrefill(segments, [k_pool], [v_pool])
+    seen = []
+
+    def own(i, q, k, v):
+        seen.append(("own", i, q.shape[2], k.shape[2]))
+        return torch.full_like(q, 7.0) if i == 1 else None
+
+    out = plan.attend(0, query, key, value, 0.3, each=lambda i, k, v: seen.append(("each", i)),
+                      segment_attention=own)
+    plain = plan.attend(0, query, key, value, 0.3)
+    assert seen == [("own", 0, 3, 9), ("each", 0), ("own", 1, 5, 5), ("each", 1), ("own", 2, 4, 6), ("each", 2)]
+    assert (out[:, 3:8] == 7.0).all()
+    torch.testing.assert_close(out[:, :3], plain[:, :3], rtol=0, atol=0)
+    torch.testing.assert_close(out[:, 8:], plain[:, 8:], rtol=0, atol=0)
