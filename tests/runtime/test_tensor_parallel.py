@@ -330,13 +330,13 @@ _WEDGED = textwrap.dedent("""
 """)
 
 
-def test_rank0_stuck_in_an_op_after_a_worker_died_exits_with_the_cause(tmp_path):
-    """The NCCL case (module doc): rank 0 cannot leave an op whose collective waits on a dead peer, so it
-    names the dead rank and exits with ``EXIT_WEDGED`` within the grace period; the worker is gone."""
+def _exits_wedged_naming_rank1(tmp_path, text: str) -> str:
+    """Run ``text`` as rank 0's script (its first line of output: its worker's pid); assert it exits
+    ``EXIT_WEDGED`` naming rank 1 and leaves no worker. Returns its standard output."""
     from macattn.runtime.tensor_parallel import EXIT_WEDGED
 
-    script = tmp_path / "wedged.py"
-    script.write_text(_WEDGED)
+    script = tmp_path / "rank0.py"
+    script.write_text(text)
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -346,9 +346,16 @@ def test_rank0_stuck_in_an_op_after_a_worker_died_exits_with_the_cause(tmp_path)
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == EXIT_WEDGED, (proc.returncode, out, err[-2000:])
-    assert "RETURNED" not in out
     assert re.search(r"rank 1 \(pid \d+\) exited with code \d+; NCCL cannot release .* exits with code 70", err), err
     assert _gone(pid)
+    return out
+
+
+def test_rank0_stuck_in_an_op_after_a_worker_died_exits_with_the_cause(tmp_path):
+    """The NCCL case (module doc): rank 0 cannot leave an op whose collective waits on a dead peer, so it
+    names the dead rank and exits with ``EXIT_WEDGED`` within the grace period; the worker is gone."""
+    out = _exits_wedged_naming_rank1(tmp_path, _WEDGED)
+    assert "RETURNED" not in out
 
 
 _ABORT_AT_EXIT = textwrap.dedent("""
@@ -372,22 +379,7 @@ def test_an_abort_still_running_at_exit_ends_the_process_with_the_cause(tmp_path
     """The NCCL abort of a group whose peer died can outlive the op (H200 x2: it had not returned when the script
     exited, and the interpreter's finalization unwound its thread: SIGABRT, "terminate called recursively"). At
     exit ``shutdown_all`` waits ``_WEDGE_GRACE_S`` for it, then exits ``EXIT_WEDGED`` naming the dead rank."""
-    from macattn.runtime.tensor_parallel import EXIT_WEDGED
-
-    script = tmp_path / "abort_at_exit.py"
-    script.write_text(_ABORT_AT_EXIT)
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        pid = int(proc.stdout.readline())
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert "RAISED" in out, (out, err[-2000:])
-    assert proc.returncode == EXIT_WEDGED, (proc.returncode, out, err[-2000:])
-    assert re.search(r"rank 1 \(pid \d+\) exited with code \d+; NCCL cannot release .* exits with code 70", err), err
-    assert _gone(pid)
+    assert "RAISED" in _exits_wedged_naming_rank1(tmp_path, _ABORT_AT_EXIT)
 
 
 def test_the_gpu_killed_worker_script_runs_its_except_path_on_the_cpu(tmp_path):
