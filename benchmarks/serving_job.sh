@@ -26,10 +26,12 @@
 #   httpx2 2.16.2, httpcore2 2.16.2, truststore 0.10.5 (openai 3.x's HTTP client), httpx 0.28.1,
 #   httpcore 1.0.9, distro 1.9.0, jiter 0.19.0 (cp312), click 8.5.1, idna 3.20, certifi 2026.5.20,
 #   typing-extensions 4.16.0, tqdm 4.70.1
-# Not carried: guidellm 0.8.1 (its dependency set exceeds 40 MB: datasets -> pyarrow 26.0.1 alone is 55 MB;
-# also pandas, sanic, uvloop 4.5 MB, faker 2 MB, culsans, ftfy, loguru, msgpack, pydantic-settings, rich,
-# tabulate, websockets, eval-type-backport, more-itertools, h2, and click~=8.4, which conflicts with the
-# 8.5.1 above).
+# guidellm 0.8.1 is not in these wheels. The device image already holds its heavy needs (pyarrow, pandas, uvloop,
+# rich, msgpack, tabulate, protobuf, xxhash, aiofiles, multidict); the rest is 26 wheels, 6.4 MB, for a folder of
+# its own (cp312 where compiled): guidellm, datasets, dill, multiprocess, culsans, aiologic, faker, tzdata, ftfy,
+# wcwidth, h2, hpack, hyperframe, loguru, pydantic-settings, python-dotenv, sanic, sanic-routing, html5tagger,
+# tracerite, httptools, ujson, websockets, more-itertools, eval-type-backport, and click 8.4.2 (guidellm pins
+# ~=8.4; carry it instead of the 8.5.1 above, which uvicorn does not need). Not yet run on a device.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/macattn_out}
