@@ -3,6 +3,8 @@
 
     python benchmarks/bench_ttft.py --device cuda                        # 1x1K, 16x1K, 1x8K, 1x32K, 4x32K
     python benchmarks/bench_ttft.py --device cuda --budgets 4096 8192 16384 --mixes 1x32768
+    python benchmarks/bench_ttft.py --device cuda --mixes 1x32768 --question 100 --mac on --profile 40
+                                                       # later turns over a cached 32K document, one profiled
     python benchmarks/bench_ttft.py --dry-run                            # CPU, tiny shapes: checks the script
 
 For each prompt mix (``BxL``: B prompts of L tokens submitted together), token budget
@@ -11,6 +13,10 @@ submitting the prompts to the last one's first token (``torch.cuda.synchronize``
 clock), median of ``--reps`` after a warm-up run of the same mix. MAC on minus MAC off is the cost of
 seeding the rings (the prefill is otherwise the same). The prefill floor of the same mix, measured in
 the same process by ``bench_prefill_floor`` when it is importable, is printed beside each figure.
+``--question Q`` measures multi-turn reuse instead (issue 37; prefix caching on): each prompt is one fixed
+document of L tokens followed by a fresh question of Q tokens; the warm-up run is the first turn (the document
+prefilled whole, its time recorded as ``first_turn_s``) and every timed run a later turn over the cached
+document (``later_over_first``).
 JSON (device and UUID, versions, every figure) under ``benchmarks/results/``.
 """
 from __future__ import annotations
@@ -45,21 +51,30 @@ def parse_mix(text: str) -> tuple[int, int]:
 
 
 def ttft(model, B: int, L: int, budget: int, mac: bool, device: str, reps: int, seed: int = 0,
-         profile: int = 0) -> list[float]:
+         profile: int = 0, question: int = 0) -> list[float]:
     """Seconds from submitting ``B`` prompts of ``L`` tokens to the last first token, ``reps`` times
     (after one warm-up). ``profile > 0``: one more run under ``torch.profiler``, printing its ``profile``
-    costliest ops by device time and by host time (the profiled run is not among the times)."""
-    rc = RuntimeConfig(max_batch_size=B, max_seq_len=L + 8, device=device,
-                       use_cuda_graphs=device.startswith("cuda"), **{BUDGET_FIELD: budget or None})
+    costliest ops by device time and by host time (the profiled run is not among the times).
+    ``question > 0``: multi-turn (module doc): the prompts are one document of ``L`` tokens plus a fresh
+    ``question``-token tail each, prefix caching on; the warm-up's time comes back first (the first turn)."""
+    rc = RuntimeConfig(max_batch_size=B, max_seq_len=L + question + 8, device=device,
+                       use_cuda_graphs=device.startswith("cuda"), **{BUDGET_FIELD: budget or None},
+                       **({"enable_prefix_caching": True} if question else {}))
     if BUDGET_FIELD == "max_num_batched_tokens" and not budget and device.startswith("cuda"):
         rc = dataclasses.replace(rc, max_num_batched_tokens=10**9)      # "whole prompts" on CUDA too
     eng = LLMEngine(model, MacConfig() if mac else MacConfig(enabled=False), rc)
     g = torch.Generator().manual_seed(seed)
+    doc = torch.randint(300, eng.vocab_size, (L,), generator=g)
+
+    def prompt() -> torch.Tensor:
+        if not question:
+            return torch.randint(300, eng.vocab_size, (L,), generator=g)
+        return torch.cat([doc, torch.randint(300, eng.vocab_size, (question,), generator=g)])
+
     times = []
     try:
         for rep in range(reps + 1 + bool(profile)):
-            ids = [eng.add_request(torch.randint(300, eng.vocab_size, (L,), generator=g), max_new_tokens=1)
-                   for _ in range(B)]
+            ids = [eng.add_request(prompt(), max_new_tokens=1) for _ in range(B)]
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             prof = profiler(device) if rep > reps else contextlib.nullcontext()
@@ -69,9 +84,9 @@ def ttft(model, B: int, L: int, budget: int, mac: bool, device: str, reps: int, 
                     eng.step()
                 if device.startswith("cuda"):
                     torch.cuda.synchronize()
-            if 0 < rep <= reps:
+            if rep <= reps and (rep > 0 or question):
                 times.append(time.perf_counter() - t0)
-            else:
+            elif rep > reps:
                 print_profile(prof, profile, device)
             for i in ids:
                 eng.pop_finished(i)
@@ -107,6 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--floor", action="store_true", help="measure the prefill floor of each mix (bench_prefill_floor)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the timed runs, one run under torch.profiler; print its N costliest ops")
+    ap.add_argument("--question", type=int, default=0, metavar="Q",
+                    help="multi-turn: a fresh Q-token question after one cached L-token document (module doc)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
@@ -133,14 +150,20 @@ def main(argv=None) -> int:
         floor = floor_of(B, L) if floor_of else None
         for budget in args.budgets:
             for mac in args.mac:
-                ts = ttft(model, B, L, budget, mac == "on", args.device, args.reps, profile=args.profile)
-                rec = {"mix": mix, "B": B, "L": L, "budget": budget, "mac": mac, "ttft_s": statistics.median(ts),
-                       "ttft_all_s": ts, "floor_s": floor}
+                ts = ttft(model, B, L, budget, mac == "on", args.device, args.reps, profile=args.profile,
+                          question=args.question)
+                rec = {"mix": mix, "B": B, "L": L, "budget": budget, "mac": mac, "floor_s": floor}
+                if args.question:
+                    first, ts = ts[0], ts[1:]
+                    rec.update(question=args.question, first_turn_s=first,
+                               later_over_first=statistics.median(ts) / first)
+                rec.update(ttft_s=statistics.median(ts), ttft_all_s=ts)
                 rec["x_floor"] = rec["ttft_s"] / rec["floor_s"] if rec["floor_s"] else None
                 rows.append(rec)
                 print(f"{mix:>9} budget {budget or 'whole':>6} mac {mac:>3}: TTFT {rec['ttft_s'] * 1e3:9.1f} ms"
-                      + (f"  floor {rec['floor_s'] * 1e3:8.1f} ms  x{rec['x_floor']:.2f}" if rec["floor_s"] else ""),
-                      flush=True)
+                      + (f"  floor {rec['floor_s'] * 1e3:8.1f} ms  x{rec['x_floor']:.2f}" if rec["floor_s"] else "")
+                      + (f"  first turn {rec['first_turn_s'] * 1e3:9.1f} ms, later / first "
+                         f"{rec['later_over_first']:.3f}" if args.question else ""), flush=True)
     for r in rows:      # MAC's seeding cost: on over off at the same mix and budget
         off = next((o for o in rows if o["mix"] == r["mix"] and o["budget"] == r["budget"] and o["mac"] == "off"), None)
         if r["mac"] == "on" and off:
