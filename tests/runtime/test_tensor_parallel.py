@@ -378,7 +378,7 @@ _ABORT_AT_EXIT = textwrap.dedent("""
 def test_an_abort_still_running_at_exit_ends_the_process_with_the_cause(tmp_path):
     """The NCCL abort of a group whose peer died can outlive the op (H200 x2: it had not returned when the script
     exited, and the interpreter's finalization unwound its thread: SIGABRT, "terminate called recursively"). At
-    exit ``shutdown_all`` waits ``_WEDGE_GRACE_S`` for it, then exits ``EXIT_WEDGED`` naming the dead rank."""
+    exit ``group._at_exit`` waits ``_WEDGE_GRACE_S`` for it, then exits ``EXIT_WEDGED`` naming the dead rank."""
     assert "RAISED" in _exits_wedged_naming_rank1(tmp_path, _ABORT_AT_EXIT)
 
 

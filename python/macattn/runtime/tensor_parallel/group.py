@@ -91,7 +91,7 @@ class TensorParallelGroup:
     def _abort_in_background(self, part) -> threading.Thread:
         """Abort ``part``'s process group on a daemon thread, kept in ``_aborting`` until it returns: an abort still
         inside NCCL when the interpreter finalizes ends the process with ``std::terminate`` (the thread is
-        unwound through the binding's GIL guard), so ``shutdown_all`` waits for these at exit."""
+        unwound through the binding's GIL guard), so ``_at_exit`` waits for these."""
         t = threading.Thread(target=abort_quietly, args=(part, bool(self._dead())), name="macattn-tp-abort",
                              daemon=True)
         _aborting[:] = [(a, g) for a, g in _aborting if a.is_alive()] + [(t, self)]
@@ -209,12 +209,16 @@ _aborting: list[tuple[threading.Thread, TensorParallelGroup]] = []    # abort th
 
 
 def shutdown_all() -> None:
-    """Shut down every live tensor-parallel group of this process (also run at exit), then wait up to
-    ``_WEDGE_GRACE_S`` for every group abort still running; one still inside NCCL by then would end the
-    interpreter's finalization with ``std::terminate`` (SIGABRT), so the process exits ``EXIT_WEDGED`` naming
-    the dead rank instead (module doc)."""
+    """Shut down every live tensor-parallel group of this process (also run at exit: ``_at_exit``)."""
     for group in list(TensorParallelGroup._live.values()):
         group.shutdown()
+
+
+def _at_exit() -> None:
+    """``shutdown_all``, then wait up to ``_WEDGE_GRACE_S`` for every group abort still running: one still inside
+    NCCL when the interpreter finalizes ends it with ``std::terminate`` (SIGABRT), so the process exits
+    ``EXIT_WEDGED`` naming the dead rank instead (module doc)."""
+    shutdown_all()
     deadline = time.monotonic() + _WEDGE_GRACE_S
     for t, group in list(_aborting):
         t.join(max(0.0, deadline - time.monotonic()))
@@ -222,4 +226,4 @@ def shutdown_all() -> None:
             group._exit_wedged("and its NCCL abort has not returned at exit")
 
 
-atexit.register(shutdown_all)
+atexit.register(_at_exit)
