@@ -206,12 +206,17 @@ class CudaDecoder:
             return []
         key = self.step_key([])
         for nb in self.sizes:
-            b = self.buckets.get(nb)
-            if b is None:
-                b = self.buckets[nb] = self._new_bucket(nb)
-            if key not in b.graphs:
-                self._capture(b, key)
+            self._bucket(nb, key)
         return list(self.sizes)
+
+    def _bucket(self, nb: int, key: tuple[SamplerVariant, Hashable]) -> DecodeBucket:
+        """Bucket ``nb`` (made on first use), with variant ``key`` captured when graphs are on."""
+        b = self.buckets.get(nb)
+        if b is None:
+            b = self.buckets[nb] = self._new_bucket(nb)
+        if self.use_cuda_graphs and key not in b.graphs:
+            self._capture(b, key)
+        return b
 
     # --- one step --------------------------------------------------------------------------
     def step_key(self, seqs) -> tuple[SamplerVariant, Hashable]:
@@ -225,14 +230,9 @@ class CudaDecoder:
         ``m = num_tokens - 1``; writes its K/V (and the method its per-request state)."""
         ex = self.ex
         B = len(seqs)
-        nb = self.bucket_size(B)
-        b = self.buckets.get(nb)
-        if b is None:
-            b = self.buckets[nb] = self._new_bucket(nb)
         method = ex.method
         key = self.step_key(seqs)
-        if self.use_cuda_graphs and key not in b.graphs:
-            self._capture(b, key)
+        b = self._bucket(self.bucket_size(B), key)
         self._write_inputs(b, seqs)
         if self.use_cuda_graphs:
             b.graphs[key].replay()

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from macattn.core.validation import check_int
+
 from ..aot import destination
 from ..triton_util import interpreting
 from .checks import check_route_fused_inputs
@@ -61,8 +63,7 @@ class RouteFusedLaunch:
         for name, lo in (("split", 16), ("block_n", 16), ("block_d", 16), ("max_block_b", 16), ("s_block", 1),
                          ("route_warps", 1), ("warps", 1)):
             _pow2(name, getattr(self, name), lo)
-        if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
-            raise ValueError(f"stages must be an int >= 1, got {self.stages!r}")
+        check_int("stages", self.stages, 1)
 
 
 DEFAULT_LAUNCH = RouteFusedLaunch()

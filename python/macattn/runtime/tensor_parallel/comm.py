@@ -209,8 +209,9 @@ def abort_quietly(part, peer_died: bool = False) -> None:
 
 
 def _keep_until_exit(obj) -> None:
-    """Never run ``obj``'s destructor: ProcessGroupNCCL's, on a communicator aborted because a peer died, ended the
-    process with ``std::terminate`` at interpreter exit (H200 x2: rank 0 raised ``TensorParallelError``, then exited
-    with -6 instead of its own code). A reference the interpreter does not own survives its teardown; the OS
-    reclaims the object with the process."""
+    """Never run ``obj``'s destructor, a ProcessGroupNCCL whose communicator was aborted because a peer died; the OS
+    reclaims it with the process. Added for the SIGABRT at exit on two H200s, which it did not cure: that came
+    from the abort's own thread, still inside NCCL at finalization (``group._at_exit`` now waits for it). Kept
+    because the GPU runs that pass had it: whether destroying such a group at exit is safe was not tested alone.
+    A reference the interpreter does not own survives its teardown."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
