@@ -51,6 +51,11 @@ before the next starts. On CUDA all decode-graph buckets are captured before the
 warm-up request of the workload's prompt length runs untimed. ``--max-num-batched-tokens`` goes to
 ``LLM(...)`` only when given and only if this version's ``LLM`` takes it (the JSON says which).
 
+``--guidellm EXE`` also runs guidellm (its ``concurrent`` profile at the workload's concurrency, the workload's
+request count and prompt / output lengths, ``/v1/completions``) against each throughput workload's server right
+after this benchmark's own client, and puts guidellm's summary in the record (its report beside the JSON, in
+``guidellm_<workload>/``). On ``llama8b-random`` guidellm's synthetic words map to varied ids (``guidellm_words``).
+
 Reported: TTFT, inter-token latency (ITL: gaps between streamed chunks after the first), end-to-end
 latency (p50 / p99 / mean), request and output-token throughput, the floor and the ratios; JSON (device and
 UUID, versions, every figure; rewritten after every record) in ``benchmarks/results/bench_serving_<gpu>.json``
@@ -67,6 +72,7 @@ import math
 import random
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -428,28 +434,38 @@ def method_for(mac: str, pattern: str | None) -> tuple[str, str | None]:
 
 
 # --- model, engine, server ------------------------------------------------------------------------
-def _random_8b(device: str):
+def _random_8b(device: str, words: tuple[str, ...] = (), id_range: tuple[int, int] = (300, 8000)):
     """LLaMA-3.1-8B shapes with random bf16 weights (``bench_e2e``'s) and a synthetic tokenizer that maps
     id ``i`` to the word ``w<i>`` (the prompts are token ids; only the streamed text needs a decoder). Its
     end token ``<eos>`` has the id ``vocab_size``, which the model never produces: every request runs to
-    ``max_tokens``."""
+    ``max_tokens``. ``words`` (a text client's words, ``guidellm_words``) take distinct ids of ``id_range``
+    (seeded, in place of those ids' ``w<i>``), so a client that sends text sends varied ids, not one unknown id
+    per word, and the tokenizer saved for it (one string per id) reads the same ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from bench_e2e import LLAMA_8B, build_model
 
     model = build_model(LLAMA_8B, torch.bfloat16, device)
-    vocab = {f"w{i}": i for i in range(LLAMA_8B["vocab_size"])}
+    names = [f"w{i}" for i in range(LLAMA_8B["vocab_size"])]
+    words = sorted(set(words) - set(names))
+    lo, hi = id_range
+    if len(words) > hi - lo:
+        raise ValueError(f"{len(words)} words do not fit the {hi - lo} ids of id_range {id_range}")
+    for w, i in zip(words, random.Random(0).sample(range(lo, hi), len(words))):
+        names[i] = w
+    vocab = {name: i for i, name in enumerate(names)}
     vocab["<eos>"] = LLAMA_8B["vocab_size"]
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return model, PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="w0")
 
 
-def load_model(name: str, device: str):
-    """``(model on device, tokenizer)`` for ``builtin``, ``llama8b-random`` or a transformers directory."""
+def load_model(name: str, device: str, words: tuple[str, ...] = ()):
+    """``(model on device, tokenizer)`` for ``builtin``, ``llama8b-random`` (``words``: see ``_random_8b``) or a
+    transformers directory."""
     if name == RANDOM_8B:
-        return _random_8b(device)
+        return _random_8b(device, words)
     from bench_prefill_floor import load_model as _load
 
     model, tok = _load(name, torch.device(device), torch.float32 if name == "builtin" else "auto")
@@ -488,6 +504,43 @@ def engine_options(args) -> tuple[dict, dict]:
             info.setdefault("notes", []).append(note)
             print(f"warning: {note}", file=sys.stderr)
     return kw, info
+
+
+def guidellm_words(exe: str) -> tuple[str, ...]:
+    """The words guidellm's synthetic prompts are made of (Faker's English lorem list, read from the Python beside
+    ``exe``, as written in a sentence: lower case, capitalised, with a full stop), so ``llama8b-random``'s word
+    tokenizer reads them as varied ids."""
+    python = Path(exe).parent / "python"
+    code = "import json; from faker.providers.lorem.en_US import Provider; print(json.dumps(list(Provider.word_list)))"
+    listed = json.loads(subprocess.run([str(python) if python.exists() else sys.executable, "-c", code],
+                                       capture_output=True, text=True, check=True).stdout)
+    base = {w.strip() for w in listed if w.strip()}
+    return tuple(sorted({v for w in base for v in (w, w.capitalize(), w + ".", w.capitalize() + ".")}))
+
+
+def run_guidellm_beside(exe: str, server: "Server", tok, w: Workload, out_dir: Path, timeout: float) -> dict:
+    """guidellm (``run_clients.run_guidellm``) against the server that just served workload ``w``: the same
+    requests, prompt and output lengths at ``w.concurrency`` concurrent streams, ``/v1/completions`` (what this
+    benchmark's own client sends), its prompts counted by the server's own tokenizer (saved for it here)."""
+    from run_clients import run_guidellm
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok_dir = out_dir / "tokenizer"
+    tok.save_pretrained(tok_dir)
+
+    class _Target:
+        url = server.url
+
+        @staticmethod
+        def metrics() -> str:
+            with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as r:
+                return r.read().decode()
+
+    res = run_guidellm(exe, _Target, out_dir, requests=w.num_prompts, prompt_tokens=w.input_len,
+                       output_tokens=w.output_len, timeout=timeout, tokenizer=tok_dir,
+                       profile=f"kind=concurrent,streams={w.concurrency}",
+                       formats=((f"{w.name}_completions", "/v1/completions"),))
+    return next(iter(res.values()))
 
 
 def prewarm_graphs(llm) -> dict:
@@ -696,6 +749,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-floor", action="store_true", help="skip the floor measurement")
     ap.add_argument("--floor-reps", type=int, default=None, help="timed reps per floor figure (default 5; dry 2)")
     ap.add_argument("--no-warmup", action="store_true", help="no untimed warm-up request before each record")
+    ap.add_argument("--guidellm", default=None, metavar="EXE",
+                    help="also run guidellm (this command) against each throughput workload's server, same load")
+    ap.add_argument("--guidellm-timeout", type=float, default=300, help="seconds per guidellm run")
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
@@ -744,7 +800,15 @@ def main(argv=None) -> int:
 
     llm_kw, report["engine_options"] = engine_options(args)
     t0 = time.perf_counter()
-    model, tok = load_model(args.model, args.device)
+    words = ()
+    if args.guidellm and args.model == RANDOM_8B:
+        try:
+            words = guidellm_words(args.guidellm)
+        except (OSError, ValueError, subprocess.CalledProcessError) as exc:   # recorded; our own figures still run
+            report["guidellm_error"] = f"guidellm's words not readable beside {args.guidellm}: {exc}"
+            print(f"warning: {report['guidellm_error']}; guidellm skipped", file=sys.stderr, flush=True)
+            args.guidellm = None
+    model, tok = load_model(args.model, args.device, words)
     report["model_load_s"] = time.perf_counter() - t0
     args.vocab = min(args.vocab, model.config.vocab_size)
     if not args.no_floor:
@@ -793,6 +857,14 @@ def main(argv=None) -> int:
                         res = client_load(current.url, args.model, args, num_prompts=w.num_prompts,
                                           input_len=w.input_len, output_len=w.output_len, concurrency=w.concurrency)
                     rec.update(hit_rate_between(before, scrape_metrics(current.url)))
+                    if args.guidellm and w.kind == "throughput":
+                        gdir = Path(out or "guidellm_out").parent / f"guidellm_{w.name}"
+                        try:
+                            rec["guidellm"] = run_guidellm_beside(args.guidellm, current, tok, w, gdir,
+                                                                  args.guidellm_timeout)
+                        except (OSError, ValueError, KeyError) as exc:     # recorded beside our own figures
+                            rec["guidellm"] = {"error": f"{type(exc).__name__}: {exc}"}
+                        print(f"guidellm: {json.dumps(rec['guidellm'], default=str)}", flush=True)
                     fl = floor_for(w, report["floor"])
                     rec.update(results=res, floor=fl, ratios=ratios(res, fl))
                     print_summary(res)

@@ -51,10 +51,11 @@ def parse_mix(text: str) -> tuple[int, int]:
 
 
 def ttft(model, B: int, L: int, budget: int, mac: bool, device: str, reps: int, seed: int = 0,
-         profile: int = 0, question: int = 0) -> list[float]:
+         profile: int = 0, question: int = 0, trace: str | None = None) -> list[float]:
     """Seconds from submitting ``B`` prompts of ``L`` tokens to the last first token, ``reps`` times
     (after one warm-up). ``profile > 0``: one more run under ``torch.profiler``, printing its ``profile``
-    costliest ops by device time and by host time (the profiled run is not among the times).
+    costliest ops by device time and by host time (the profiled run is not among the times); ``trace``: its
+    Chrome trace (``chrome://tracing`` / Perfetto) is written there too.
     ``question > 0``: multi-turn (module doc): the prompts are one document of ``L`` tokens plus a fresh
     ``question``-token tail each, prefix caching on; the warm-up's time comes back first (the first turn)."""
     rc = RuntimeConfig(max_batch_size=B, max_seq_len=L + question + 8, device=device,
@@ -88,6 +89,8 @@ def ttft(model, B: int, L: int, budget: int, mac: bool, device: str, reps: int, 
                 times.append(time.perf_counter() - t0)
             elif rep > reps:
                 print_profile(prof, profile, device)
+                if trace:
+                    prof.export_chrome_trace(trace)
             for i in ids:
                 eng.pop_finished(i)
     finally:
@@ -122,6 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--floor", action="store_true", help="measure the prefill floor of each mix (bench_prefill_floor)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the timed runs, one run under torch.profiler; print its N costliest ops")
+    ap.add_argument("--trace", default=None, metavar="PATH", help="with --profile: the profiled run's Chrome trace")
     ap.add_argument("--question", type=int, default=0, metavar="Q",
                     help="multi-turn: a fresh Q-token question after one cached L-token document (module doc)")
     ap.add_argument("--out", default=None)
@@ -151,7 +155,7 @@ def main(argv=None) -> int:
         for budget in args.budgets:
             for mac in args.mac:
                 ts = ttft(model, B, L, budget, mac == "on", args.device, args.reps, profile=args.profile,
-                          question=args.question)
+                          question=args.question, trace=args.trace)
                 rec = {"mix": mix, "B": B, "L": L, "budget": budget, "mac": mac, "floor_s": floor}
                 if args.question:
                     first, ts = ts[0], ts[1:]

@@ -4,6 +4,7 @@ item 4): Top-k alone, completion ungated and completion gated at equal token-equ
     python benchmarks/eval_completion_budgets.py --n 4 --calibration-n 4   # CPU, ~25 min on 2 cores
     python benchmarks/eval_completion_budgets.py --device cuda --lengths 16384 --n 1 --gen 128 \
         --selectors exhaustive pages --out $OUT/eval_completion_budgets_16k.json   # GPU
+    python benchmarks/eval_completion_budgets.py --merge A.json B.json --out C.json   # runs of disjoint budgets
     python benchmarks/eval_completion_budgets.py --dry-run       # random tiny model, seconds
 
 ``macattn eval``'s RULER-style tasks (``--lengths``, ``--n`` samples per task, ``--gen`` teacher-forced steps)
@@ -57,8 +58,15 @@ def main(argv=None) -> int:
     ap.add_argument("--no-mass-calibration", action="store_true", help="gate without the calibrated mass")
     ap.add_argument("--out", default=str(RESULTS / "eval_completion_budgets.json"))
     ap.add_argument("--device", default="cpu", help="the model's and the maps' device (the references follow it)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="combine runs of disjoint budgets (one process each, e.g. one per GPU) into --out, no model")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
+    if args.merge:
+        out = merge([json.loads(Path(f).read_text()) for f in args.merge])
+        Path(args.out).write_text(json.dumps(out, indent=1, default=str) + "\n")
+        print(f"wrote {args.out}, {plot(out['rows'], Path(args.out).with_suffix('.png'))}")
+        return 0
     t0 = time.time()
     if args.dry_run:
         model, encode, hay, bos, desc = load_eval_model("random")
@@ -121,6 +129,32 @@ def main(argv=None) -> int:
                 Path(args.out).write_text(json.dumps(out, indent=1, default=str) + "\n")
                 print(f"wrote {args.out}, {plot(rows, Path(args.out).with_suffix('.png'))}", flush=True)
     return 0
+
+
+def merge(runs: list[dict]) -> dict:
+    """One report from runs of the same lengths, selectors and samples over disjoint budgets: their gates, rows
+    and per-(length, selector) methods together; ``settings.budgets`` all of theirs; ``seconds`` the longest run's
+    (they ran side by side); ``merged_from`` each run's settings. Full attention is the same in every run (the
+    same prompts and model): the first run's is kept, and a differing one is refused."""
+    first = runs[0]
+    out = {**first, "gates": {}, "rows": [], "raw": {}, "merged_from": [r["settings"] for r in runs],
+           "seconds": max(r["seconds"] for r in runs)}
+    out["settings"] = {**first["settings"], "budgets": sorted(b for r in runs for b in r["settings"]["budgets"]),
+                       "selectors": sorted({sel for r in runs for sel in r["settings"]["selectors"]})}
+    for r in runs:
+        clash = set(out["gates"]) & set(r["gates"])
+        if clash:
+            raise ValueError(f"runs overlap in {sorted(clash)}: merge takes disjoint budgets")
+        out["gates"].update(r["gates"])
+        out["rows"].extend(r["rows"])
+        for key, res in r["raw"].items():
+            have = out["raw"].setdefault(key, {**res, "methods": {}})
+            full, other = have["methods"].get("full"), res["methods"].get("full")
+            if full is not None and other is not None and full.get("accuracy") != other.get("accuracy"):
+                raise ValueError(f"{key}: full attention differs between runs (not the same prompts)")
+            have["methods"].update(res["methods"])
+    out["full_attention"] = {n: r["methods"].get("full") for n, r in out["raw"].items()}
+    return out
 
 
 def plot(rows: list, path: Path) -> Path:

@@ -27,7 +27,8 @@ the mid region ``M``:
 Feature-map sets: the repository's distilled maps (``--maps``), the untrained Performer initialisation of the
 same map at ``F`` and at ``--wide-features`` (positive random features, the estimator the seed cites), and
 maps distilled here on the CPU on a cached pool of teacher windows (``distill_loss``): the repository's maps
-trained ``--distill-steps`` further, and fresh ones with ``--wide-features`` features for ``--wide-distill-steps``. Output:
+trained ``--distill-steps`` further, and fresh ones with ``--wide-features`` features for ``--wide-distill-steps``; and
+any ``--extra-maps NAME=DIR`` (e.g. maps ``macattn distill-completion`` trained longer or wider on the GPU). Output:
 ``results/eval_completion_term.json`` (per layer x head x budget x map set) and ``results/eval_completion_term.png``.
 """
 from __future__ import annotations
@@ -217,6 +218,8 @@ def main(argv=None) -> int:
     ap.add_argument("--wide-distill-steps", type=int, default=100, help="CPU steps of the fresh wide maps (0: none)")
     ap.add_argument("--distill-windows", type=int, default=6, help="teacher windows cached for it")
     ap.add_argument("--distill-lr", type=float, default=1e-3)
+    ap.add_argument("--extra-maps", nargs="+", default=[], metavar="NAME=DIR",
+                    help="more distilled map sets to measure (macattn distill-completion's --out folders)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "eval_completion_term.json"))
     ap.add_argument("--dry-run", action="store_true")
@@ -246,6 +249,11 @@ def main(argv=None) -> int:
                                                                        hidden=spec.hidden, seed=args.seed),
                 f"performer init (F={args.wide_features})": maps_for_model(model, feature_dim=args.wide_features,
                                                                          hidden=spec.hidden, seed=args.seed)}
+    for item in args.extra_maps:
+        name, sep, folder = item.rpartition("=")
+        if not sep or not name:
+            ap.error(f"--extra-maps takes NAME=DIR, got {item!r}")
+        map_sets[name] = load_feature_maps(folder)
     training = {}
     if args.distill_steps or args.wide_distill_steps:
         from macattn.apps.trainer_common import random_windows, step_generator

@@ -124,6 +124,18 @@ def _run(cmd: list[str], log: Path, timeout: float, cwd: Path = ROOT) -> tuple[i
     return rc, time.time() - t0
 
 
+def _mean(metrics: dict, key: str) -> float | None:
+    """guidellm's mean of a successful-requests metric (None where its report lacks it)."""
+    v = metrics.get(key, {}).get("successful", {}).get("mean")
+    return None if v is None else round(v, 3)
+
+
+def _pct99(metrics: dict, key: str) -> float | None:
+    """guidellm's p99 of a successful-requests metric (None where its report lacks it)."""
+    v = (metrics.get(key, {}).get("successful", {}).get("percentiles") or {}).get("p99")
+    return None if v is None else round(v, 3)
+
+
 def _version(exe: str, module: str) -> str | None:
     python = Path(exe).parent / "python"
     python = str(python) if python.is_file() else sys.executable
@@ -132,18 +144,22 @@ def _version(exe: str, module: str) -> str | None:
     return out.stdout.strip() or None
 
 
-def run_guidellm(exe: str, server: Server, out: Path, *, requests: int, prompt_tokens: int, output_tokens: int,
-                 timeout: float) -> dict:
-    """guidellm's default run (chat completions, streaming) and a completions run: synchronous, ``requests``
-    synthetic prompts each."""
+def run_guidellm(exe: str, server, out: Path, *, requests: int, prompt_tokens: int, output_tokens: int,
+                 timeout: float, tokenizer: Path = CHECKPOINT, profile: str = "kind=synchronous",
+                 formats: tuple = (("chat", None), ("completions", "/v1/completions"))) -> dict:
+    """guidellm against ``server`` (``.url`` and ``.metrics()``, the Prometheus text): one run per ``formats``
+    entry ``(name, request_format or None for guidellm's default chat)``, ``requests`` synthetic prompts of
+    ``prompt_tokens`` tokens (counted by ``tokenizer``, a Hugging Face tokenizer directory) each, ``profile``
+    guidellm's load profile (synchronous by default; e.g. ``kind=concurrent,streams=16``)."""
     results = {}
-    for name, fmt in (("chat", None), ("completions", "/v1/completions")):
+    tok = str(tokenizer.relative_to(ROOT)) if tokenizer.is_relative_to(ROOT) else str(tokenizer)
+    for name, fmt in formats:
         report = out / f"guidellm_{name}.json"
         backend = f"kind=openai_http,target={server.url}" + (f",request_format={fmt}" if fmt else "")
-        cmd = [exe, "run", "--backend", backend, "--profile", "kind=synchronous",
+        cmd = [exe, "run", "--backend", backend, "--profile", profile,
                "--constraint", f"kind=max_requests,count={requests}",
                "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
-               "--tokenizer", f"kind=huggingface_auto,model={CHECKPOINT.relative_to(ROOT)}",
+               "--tokenizer", f"kind=huggingface_auto,model={tok}",
                "--output", f"kind=json,path={report}", "--disable-console-interactive"]
         before = request_counts(server.metrics())
         rc, wall = _run(cmd, out / f"guidellm_{name}.log", timeout)
@@ -161,6 +177,9 @@ def run_guidellm(exe: str, server: Server, out: Path, *, requests: int, prompt_t
                 return None if v.get("median") is None else round(v["median"], 3)
 
             res.update({"requests": totals, "median_request_latency_s": med("request_latency"),
+                        "output_tok_per_s_mean": _mean(m, "output_tokens_per_second"),
+                        "p99_ttft_ms": _pct99(m, "time_to_first_token_ms"),
+                        "p99_itl_ms": _pct99(m, "inter_token_latency_ms"),
                         "median_ttft_ms": med("time_to_first_token_ms"), "median_itl_ms": med("inter_token_latency_ms"),
                         "median_output_tokens": med("output_token_count"),
                         "median_prompt_tokens": med("prompt_token_count"),

@@ -58,6 +58,26 @@ def test_packed_attention_equals_the_definition(case, Hq, Hkv, dtype):
     torch.testing.assert_close(out.to(ref.dtype), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("pool_dtype,dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                              (torch.float64, torch.float64)])
+@pytest.mark.parametrize("start,n", [(1, 1), (37, 5), (64, 64)])
+def test_segment_kv_is_the_history_then_the_new_rows(pool_dtype, dtype, start, n):
+    """``segment_kv`` of a continued segment = the pool's history rows (cast to the call's dtype) followed by
+    the call's rows, every position, as ``[1, Hkv, start + n, d]`` with a contiguous last dimension."""
+    g = torch.Generator().manual_seed(start * 100 + n)
+    Hkv, d, rows = 3, 8, start + 11
+    k_pool = torch.randn(rows, Hkv, d, generator=g).to(pool_dtype)
+    v_pool = torch.randn(rows, Hkv, d, generator=g).to(pool_dtype)
+    key, value = (torch.randn(1, Hkv, n + 2, d, generator=g).to(dtype) for _ in range(2))
+    hist = torch.randperm(rows, generator=g)[:start]
+    plan = RaggedPrefill([PrefillSegment(2, n, start, slot=0, history=hist)], [k_pool], [v_pool])
+    k, v = plan.segment_kv(0, 0, key, value)
+    for got, pool, new in ((k, k_pool, key), (v, v_pool, value)):
+        want = torch.cat([pool[hist].transpose(0, 1).unsqueeze(0).to(dtype), new[:, :, 2: 2 + n]], 2)
+        assert got.shape == (1, Hkv, start + n, d) and got.dtype == dtype and got.stride(-1) == 1
+        assert torch.equal(got, want)
+
+
 def test_an_empty_plan_is_refused():
     with pytest.raises(ValueError, match="at least one segment"):
         RaggedPrefill([], [], [])
@@ -73,21 +93,30 @@ def test_packed_attention_on_cuda_equals_the_definition(case, Hq, Hkv, d, cudnn_
     """Every segment on flash (the default threshold at these sizes) and on cuDNN (threshold 0: fresh
     segments square-causal, continued ones through the split path)."""
     monkeypatch.setattr(ragged, "CUDNN_MIN_WORK", cudnn_min_work)
+    monkeypatch.setattr(ragged, "_SPLIT_OK", {})
     out, ref = _run(case, Hq, Hkv, d, torch.bfloat16, "cuda", seed=7)
     assert torch.isfinite(out).all()
     err = (out.float() - ref).norm() / ref.norm()
     assert err < 1e-2, err
+    # cuDNN took the token-major history buffers (a refusal would fall back to flash silently, slower)
+    assert ragged._SPLIT_OK.get(out.device, True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("Q,S", [(1, 2), (64, 64 + 1), (2048, 6000), (4096, 4096 + 128)])
-def test_split_continued_chunk_equals_the_definition(Q, S):
+@pytest.mark.parametrize("kv_layout", ["head-major", "token-major"])
+def test_split_continued_chunk_equals_the_definition(Q, S, kv_layout):
     """The two-call cuDNN path with the log-sum-exp merge, GQA 32/8, token-major query as the fused
-    prefill hands it, against the fp32 definition."""
+    prefill hands it, keys / values head-major or token-major (``segment_kv``'s history buffers), against
+    the fp32 definition."""
     g = torch.Generator(device="cpu").manual_seed(Q + S)
     q = torch.randn(Q, 32, 128, generator=g).to("cuda", torch.bfloat16).transpose(0, 1).unsqueeze(0)
-    k, v = (torch.randn(1, 8, S, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    if kv_layout == "head-major":
+        k, v = (torch.randn(1, 8, S, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    else:
+        k, v = (torch.randn(S, 8, 128, generator=g).to("cuda", torch.bfloat16).transpose(0, 1).unsqueeze(0)
+                for _ in range(2))
     out = split_causal_attention(q, k, v, 128 ** -0.5)
     ref = ragged_attention_reference(q, [k], [v], [Q], 128 ** -0.5)
     assert out.shape == (1, 32, Q, 128) and out.dtype == torch.bfloat16

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from macattn.core.attention import expand_kv_heads
+from macattn.core.flash_split import flash_lower_right
 from macattn.core.ragged import uses_cudnn
 from macattn.core.summaries import AttentionSummary, summarize
 from macattn.methods.mac.reference import rectified_summaries_reference
@@ -44,10 +45,11 @@ def tail_summaries(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     ``AS^{(t)}_{[0, t - band]}`` (docs/spec.md §1.4), empty (``o = 0``, ``lse = -inf``) where ``t - band < 0``.
     Returns o ``[B, Hq, n, d]`` fp32, lse ``[B, Hq, n]`` fp32 (fp64 for fp64 inputs).
 
-    On CUDA (``fused_seeding_applies``) this is one flash-attention call with its log-sum-exp: the
-    queries over keys ``0 .. S - band - 1`` with the causal mask aligned to the bottom right (query
-    ``i`` sees keys ``<= i + S - band - n = t - band``), GQA without expanding heads; o then carries the
-    kernel's bf16 / fp16 rounding. Elsewhere the fp32 / fp64 reference (``rectified_summaries_reference``)."""
+    On CUDA (``fused_seeding_applies``) this is flash attention with its log-sum-exp: the queries over keys
+    ``0 .. S - band - 1`` with the causal mask aligned to the bottom right (query ``i`` sees keys
+    ``<= i + S - band - n = t - band``), GQA without expanding heads, split over the keys where the block is short
+    (``core.flash_split.flash_lower_right``, one request); o then carries the kernel's bf16 / fp16 rounding.
+    Elsewhere the fp32 / fp64 reference (``rectified_summaries_reference``)."""
     B, Hq, n, d = query.shape
     S = key.shape[2]
     if not fused_seeding_applies(query) or S - band <= 0:
@@ -56,6 +58,9 @@ def tail_summaries(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     k, v = key[:, :, : S - band], value[:, :, : S - band]
     if k.shape[1] != Hq and not _native_gqa(query, k, v, scale):
         k, v = expand_kv_heads(k, Hq), expand_kv_heads(v, Hq)
+    if B == 1 and S - band >= n:    # a short block over many keys: split over the keys (core.flash_split)
+        o, lse = flash_lower_right(query, k, v, scale)
+        return AttentionSummary(o, lse)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
         query.contiguous(), k, v, 0.0, is_causal=True, return_debug_mask=False, scale=scale)[:2]
     if S - n >= band:           # no query without keys (known on the host: no masking launches)

@@ -1,0 +1,97 @@
+"""Bottom-right causal flash attention of a short query block over a long key sequence, split over the keys.
+
+A continued prefill chunk, or MAC's ring seeding, is ``n`` queries over ``K >> n`` keys. Flash attention gives
+one program to each 128 query rows of each head, so ``n = 1,028`` queries of 32 heads make 288 programs: on an
+H100 (132 SMs, two such programs each) one full wave and a straggling remainder. Measured on the H100: the far
+part of a later multi-turn 32K turn ran at 226 TFLOP/s, 2.35 ms per layer (``benchmarks/notes/serving.md``).
+``flash_lower_right`` splits the keys that every query sees into ``s`` equal parts run as one batched flash call
+(``s`` times the programs), runs the rest bottom-right causal, and merges the parts by their log-sum-exps:
+FlashDecoding's split-KV, for a block of queries. ``kv_splits`` picks ``s``.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["flash_lower_right", "flash_lower_right_reference", "kv_splits", "BLOCK_M", "MIN_SPLIT_KEYS",
+           "PROGRAMS_PER_SM"]
+
+BLOCK_M = 128
+"""Query rows per flash program (torch's flash-attention forward at head dim <= 256)."""
+MIN_SPLIT_KEYS = 2048
+"""Fewest keys per split: shorter splits cost more in launch and merge than they give back."""
+PROGRAMS_PER_SM = 8
+"""Programs per SM a split call aims at (about four waves of two resident programs), so the last wave's
+remainder is a small share of the call."""
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def kv_splits(n: int, num_heads: int, num_keys: int, device: torch.device) -> int:
+    """How many key splits ``flash_lower_right`` uses for ``n`` queries of ``num_heads`` heads over ``num_keys``
+    keys: 1 where the queries alone already give ``PROGRAMS_PER_SM`` programs per SM, else enough splits to
+    reach that, each of at least ``MIN_SPLIT_KEYS`` of the keys every query sees."""
+    programs = num_heads * -(-n // BLOCK_M)
+    want = PROGRAMS_PER_SM * _sm_count(device)
+    if programs >= want:
+        return 1
+    return max(1, min(-(-want // programs), (num_keys - n + 1) // MIN_SPLIT_KEYS))
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """Flash forward on ``[B, S, H, d]`` operands: ``(out [B, n, Hq, d] in q's dtype, lse [B, Hq, n] fp32)``."""
+    out, lse = torch.ops.aten._flash_attention_forward(q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal,
+                                                       False, scale=scale)[:2]
+    return out, lse
+
+
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32, or fp64 where it is fp64 (the CPU checks run the split logic in fp64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def flash_lower_right(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                      splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``query [1, Hq, n, d]`` (CUDA, fp16 / bf16) over ``key / value [1, Hkv, K, d]`` (``K >= n``, ``Hq`` a
+    multiple of ``Hkv``, any strides with a contiguous last dimension), bottom-right causal: query ``i`` sees keys
+    ``0 .. K - n + i``. Returns ``(out [1, Hq, n, d] fp32, lse [1, Hq, n] fp32)``; ``out`` carries the kernel's
+    fp16 / bf16 rounding of each part (fp64 operands, which only the CPU checks' stand-in kernel takes, stay fp64).
+
+    ``splits`` (default ``kv_splits``): the ``K - n + 1`` keys every query sees, less a remainder of 1 .. s keys,
+    run as ``s`` equal parts in one batched call (the query block repeated per part); the remainder and the
+    causal triangle as one bottom-right-causal call; the parts merged in fp32 by their log-sum-exps."""
+    n, K = query.shape[2], key.shape[2]
+    s = kv_splits(n, query.shape[1], K, query.device) if splits is None else splits
+    q = query[0].transpose(0, 1)                                  # [n, Hq, d]
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)       # [K, Hkv, d]
+    split = ((K - n) // s) * s if s > 1 else 0                   # keys of the split parts; the rest >= 1 per query
+    if split < s:
+        out, lse = _flash(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), True, scale)
+        return _acc(out).transpose(1, 2), _acc(lse)
+    o_s, l_s = _flash(q.unsqueeze(0).expand(s, *q.shape).contiguous(), k[:split].unflatten(0, (s, split // s)),
+                      v[:split].unflatten(0, (s, split // s)), False, scale)
+    o_t, l_t = _flash(q.unsqueeze(0), k[split:].unsqueeze(0), v[split:].unsqueeze(0), True, scale)
+    l_s, l_t = _acc(l_s), _acc(l_t)
+    lse = torch.logaddexp(torch.logsumexp(l_s, 0, keepdim=True), l_t)            # [1, Hq, n]
+    w_s = torch.exp(l_s - lse).transpose(1, 2).unsqueeze(-1)                      # [s, n, Hq, 1]
+    w_t = torch.exp(l_t - lse).transpose(1, 2).unsqueeze(-1)
+    out = (o_s * w_s).sum(0, keepdim=True) + o_t * w_t                             # [1, n, Hq, d] fp32
+    return out.transpose(1, 2), lse
+
+
+def flash_lower_right_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition of ``flash_lower_right`` in plain torch, in fp64: ``(out [1, Hq, n, d], lse [1, Hq, n])``."""
+    n, K, Hq = query.shape[2], key.shape[2], query.shape[1]
+    g = Hq // key.shape[1]
+    q = query.double()
+    k, v = key.double().repeat_interleave(g, 1), value.double().repeat_interleave(g, 1)
+    logits = (q @ k.transpose(-1, -2)) * scale                                   # [1, Hq, n, K]
+    seen = torch.arange(K, device=q.device).view(1, K) <= (K - n + torch.arange(n, device=q.device)).view(n, 1)
+    logits = logits.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(logits, -1)
+    return torch.softmax(logits, -1) @ v, lse
