@@ -2,8 +2,9 @@
 
 A continued prefill chunk, or MAC's ring seeding, is ``n`` queries over ``K >> n`` keys. Flash attention gives
 one program to each 128 query rows of each head, so ``n = 1,028`` queries of 32 heads make 288 programs: on an
-H100 (132 SMs, two such programs each) one full wave and a straggling remainder. Measured on the H100: the far
-part of a later multi-turn 32K turn ran at 226 TFLOP/s, 2.35 ms per layer (``benchmarks/notes/serving.md``).
+H100's 132 SMs about one wave and a straggling remainder. Measured on the H100: the far part of a later multi-turn
+32K turn ran at 226 TFLOP/s, 2.35 ms per layer, and 12.8 ms less over 32 layers once split
+(``benchmarks/notes/serving.md``).
 ``flash_lower_right`` splits the keys that every query sees into ``s`` equal parts run as one batched flash call
 (``s`` times the programs), runs the rest bottom-right causal, and merges the parts by their log-sum-exps:
 FlashDecoding's split-KV, for a block of queries. ``kv_splits`` picks ``s``.
