@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from macattn.core import ragged
-from macattn.core.ragged import (PrefillSegment, RaggedPrefill, ragged_attention_reference,
-                                 split_causal_attention)
+from macattn.core.ragged import (PrefillSegment, RaggedPrefill, continued_cudnn_shapes, prewarm_cudnn_plans,
+                                 ragged_attention_reference, split_causal_attention)
 
 # (start, length) per segment
 CASES = [
@@ -161,3 +161,25 @@ def test_a_segments_own_attention_replaces_the_causal_one_where_it_answers():
     assert (out[:, 3:8] == 7.0).all()
     torch.testing.assert_close(out[:, :3], plain[:, :3], rtol=0, atol=0)
     torch.testing.assert_close(out[:, 8:], plain[:, 8:], rtol=0, atol=0)
+
+
+def test_the_continued_chunk_shapes_that_take_cudnn():
+    """Every later part of a prompt prefilled in parts of ``Q`` tokens is ``Q`` queries over ``(j + 1) Q`` keys;
+    those ``uses_cudnn`` sends to cuDNN are the ones to build plans for (8B serving: 7,936-token parts at 32K)."""
+    assert continued_cudnn_shapes([7936], 33856) == [(7936, 31744)]
+    assert continued_cudnn_shapes([32768], 33856) == []
+    assert continued_cudnn_shapes([7936, 7936, 100], 3 * 7936) == []
+    got = continued_cudnn_shapes([4096, 16384], 65536)
+    assert got == sorted(got) and all(S % Q == 0 and ragged.uses_cudnn(Q, S) for Q, S in got)
+    assert (16384, 32768) in got and (4096, 8192) not in got
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_prewarm_builds_the_split_plans_and_the_split_still_answers(monkeypatch):
+    monkeypatch.setattr(ragged, "_SPLIT_OK", {})
+    dev = torch.device("cuda")
+    assert prewarm_cudnn_plans([(2048, 12288)], 32, 8, 128, torch.bfloat16, dev) == [(2048, 12288)]
+    assert ragged._SPLIT_OK.get(dev, True)
+    out, ref = _run([(10240, 2048)], 32, 8, 128, torch.bfloat16, "cuda", seed=11)
+    assert ((out.float() - ref).norm() / ref.norm()) < 1e-2

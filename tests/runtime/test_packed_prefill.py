@@ -165,3 +165,44 @@ def test_close_releases_the_device_memory_even_while_the_engine_is_referenced():
     eng.close()
     gc.collect()
     assert pool() is None and fused() is None
+
+
+def test_partial_chunks_are_multiples_of_the_quantum():
+    """A chunk that leaves part of its prompt is a multiple of ``chunk_quantum`` whatever the decodes beside it
+    (room below one quantum: the room itself); the last chunk ends its prompt; every step stays within its
+    budget; the tokens equal a whole-prompt run's."""
+    cfg = RuntimeConfig(max_batch_size=3, max_seq_len=128, max_num_batched_tokens=30)
+    eng = LLMEngine(tiny_model("llama", seed=5), MAC, cfg)
+    assert eng.scheduler.chunk_quantum == 1                  # the CPU default; CUDA_CHUNK_QUANTUM on CUDA
+    eng.scheduler.chunk_quantum = 8
+    ps = prompts(3, seed=6, lo=40, hi=60)
+    ids = [eng.add_request(p, max_new_tokens=5) for p in ps]
+    partial = []
+    while eng.has_unfinished():
+        step = eng.scheduler.schedule()
+        assert step.num_tokens <= 30
+        room = 30 - len(step.decodes)
+        for c in step.prefills:
+            if c.end < len(c.seq.prompt):
+                partial.append(c.num_tokens)
+                assert c.num_tokens % 8 == 0 or c.num_tokens < 8, (c.num_tokens, room)
+            room -= c.num_tokens
+        eng.execute(step)
+    assert partial and any(n % 8 == 0 for n in partial)
+    whole = LLMEngine(tiny_model("llama", seed=5), MAC, RuntimeConfig(max_batch_size=3, max_seq_len=128))
+    wids = [whole.add_request(p, max_new_tokens=5) for p in ps]
+    while whole.has_unfinished():
+        whole.step()
+    for a, b in zip(ids, wids):
+        assert eng.pop_finished(a).output == whole.pop_finished(b).output
+
+
+def test_the_chunk_quantum_rule_and_its_validation():
+    from macattn.runtime.config import quantized_chunk
+    from macattn.runtime.scheduler import Scheduler
+
+    assert [quantized_chunk(t, 256) for t in (8191, 7937, 7936, 300, 255, 1)] == [7936, 7936, 7936, 256, 255, 1]
+    assert quantized_chunk(37, 1) == 37
+    eng = LLMEngine(tiny_model("llama", seed=5), MAC, RuntimeConfig(max_batch_size=2, max_seq_len=64))
+    with pytest.raises(ValueError, match="chunk_quantum"):
+        Scheduler(eng.slot_states, eng.executor.blocks, chunk_quantum=0)

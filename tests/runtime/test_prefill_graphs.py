@@ -96,4 +96,11 @@ def test_prewarm_captures_every_bucket_before_any_request():
     eng = _engine("mac", None, device="cuda", dtype=torch.bfloat16, use_cuda_graphs=True, graphs="default")
     done = eng.executor.prewarm_graphs()
     assert done["prefill"] == list(PREFILL_GRAPH_BUCKETS) and done["decode"]
+    from macattn.core.ragged import continued_cudnn_shapes
+    from macattn.runtime.config import quantized_chunk
+
+    cfg, q = eng.executor.config, eng.executor.chunk_quantum
+    want = continued_cudnn_shapes({quantized_chunk(cfg.max_num_batched_tokens - 1, q),
+                                   quantized_chunk(cfg.max_prefill_tokens, q)}, cfg.max_seq_len)
+    assert done["cudnn_plans"] == [f"{a}x{b}" for a, b in want]
     assert all(len(b.graphs) == len(eng.executor.fused.layers) + 1 for b in eng.executor.prefill_graphs.buckets.values())

@@ -161,7 +161,7 @@ def test_engine_start_up_captures_on_every_rank():
 
     eng = EngineArgs(model="builtin", max_batch_size=1, max_seq_len=64, tensor_parallel_size=2).build_engine()
     try:
-        assert eng.executor.prewarm_graphs() == [{"decode": [], "prefill": []}] * 2
+        assert eng.executor.prewarm_graphs() == [{"decode": [], "prefill": [], "cudnn_plans": []}] * 2
     finally:
         eng.close()
 

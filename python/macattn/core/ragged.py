@@ -31,6 +31,7 @@ from macattn.core.attention import expand_kv_heads
 from macattn.core.flash_split import flash_lower_right, kv_splits
 
 __all__ = ["PrefillSegment", "RaggedPrefill", "causal_attention", "split_causal_attention", "ragged_attention_reference",
+           "continued_cudnn_shapes", "prewarm_cudnn_plans",
            "CUDA_BACKENDS", "CUDNN_MIN_WORK", "uses_cudnn"]
 
 # SDPA backends for prefill on CUDA, in priority order (the dispatcher skips one that cannot take the
@@ -110,6 +111,41 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 _SPLIT_OK: dict = {}
+
+
+def continued_cudnn_shapes(chunks, max_seq_len: int) -> list[tuple[int, int]]:
+    """The ``(Q, S)`` shapes of the continued chunks that ``causal_attention`` sends to cuDNN's split path when
+    prompts of up to ``max_seq_len`` tokens are prefilled in parts of each length in ``chunks``: the ``j``-th part
+    (``j >= 1``) is ``Q`` queries over ``S = (j + 1) Q`` keys."""
+    shapes = []
+    for Q in sorted(set(chunks)):
+        S = 2 * Q
+        while Q > 0 and S <= max_seq_len:
+            if uses_cudnn(Q, S):
+                shapes.append((Q, S))
+            S += Q
+    return shapes
+
+
+def prewarm_cudnn_plans(shapes, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        device: torch.device) -> list[tuple[int, int]]:
+    """Run ``split_causal_attention`` once per ``(Q, S)`` of ``shapes`` on zeros laid out as a packed prefill lays
+    them out (token-major keys, ``segment_kv``), so cuDNN builds those execution plans now, not inside a served
+    step (~70 ms a shape, ~1.2 s the first of its kind, measured on the H100). Returns the shapes built (none where
+    cuDNN refuses the split, which then stays off for the device, as in ``causal_attention``)."""
+    built = []
+    for Q, S in shapes:
+        if not _SPLIT_OK.get(device, True):
+            break
+        q = torch.zeros(1, num_q_heads, Q, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(S, num_kv_heads, head_dim, dtype=dtype, device=device).transpose(0, 1).unsqueeze(0)
+        try:
+            split_causal_attention(q, kv, kv, head_dim ** -0.5)
+        except RuntimeError:
+            _SPLIT_OK[device] = False
+            break
+        built.append((Q, S))
+    return built
 
 
 def _sdpa(q, k, v, scale):

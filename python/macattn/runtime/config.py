@@ -8,7 +8,8 @@ import torch
 from macattn.core.validation import check_bool, check_choice, check_float, check_int
 from macattn.models.fused import QUANTIZATIONS
 
-__all__ = ["RuntimeConfig", "DEFAULT_CUDA_TOKEN_BUDGET", "DEFAULT_CUDA_PREFILL_TOKENS"]
+__all__ = ["RuntimeConfig", "DEFAULT_CUDA_TOKEN_BUDGET", "DEFAULT_CUDA_PREFILL_TOKENS", "CUDA_CHUNK_QUANTUM",
+           "quantized_chunk"]
 
 # Defaults on CUDA, chosen by measurement (benchmarks/notes/serving.md, "Serving at the hardware floor"):
 # a step that decodes takes at most this many tokens (vLLM's and SGLang's H100 default too). A prompt stalls
@@ -19,6 +20,18 @@ DEFAULT_CUDA_TOKEN_BUDGET = 8192
 # ... and a step with no running decode (nothing to stall) prefills up to this many: a 32K prompt in one
 # call, where cuDNN's square-causal kernel runs (chunks of it take the slower continued path).
 DEFAULT_CUDA_PREFILL_TOKENS = 32768
+# A prompt chunk that does not end its prompt is a multiple of this many tokens on CUDA (``quantized_chunk``), so
+# the chunk shapes of long prompts repeat whatever the number of decodes sharing the step's budget (8192 - 1,
+# 8192 - 2, ... would each be new). cuDNN builds an execution plan for every new (queries, keys) shape: ~70 ms, and
+# ~1.2 s for the first of its kind, measured inside served 8K chunks on the H100; repeated shapes can be built
+# once at start-up (``ModelExecutor.prewarm_graphs``). Costs at most 255 tokens of a step's budget.
+CUDA_CHUNK_QUANTUM = 256
+
+
+def quantized_chunk(tokens: int, quantum: int) -> int:
+    """The length of a prompt chunk that does not end its prompt, given ``tokens`` of room: the largest multiple of
+    ``quantum`` (``tokens`` itself where the room is less than one quantum)."""
+    return tokens // quantum * quantum or tokens
 
 
 def _positive_int(name: str, value, *, allow_none: bool = False) -> None:

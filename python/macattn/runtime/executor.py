@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from macattn.core.ragged import PrefillSegment, RaggedPrefill
+from macattn.core.ragged import PrefillSegment, RaggedPrefill, continued_cudnn_shapes, prewarm_cudnn_plans
 from macattn.methods.base import AttentionMethod, StepContext
 from macattn.methods.registry import build_method
 from macattn.models.attention import bind, unbind
@@ -32,7 +32,7 @@ from macattn.models.fused import FusedForward
 from macattn.models.transformers_api import CACHE_KWARG
 
 from macattn.runtime.block_manager import BlockManager
-from macattn.runtime.config import RuntimeConfig
+from macattn.runtime.config import CUDA_CHUNK_QUANTUM, RuntimeConfig, quantized_chunk
 from macattn.runtime.kv_cache import DecodeView, PagedKVCache, PrefillView
 from macattn.runtime.prefill_graphs import PrefillGraphs
 from macattn.runtime.prefix_cache import cache_salt
@@ -137,14 +137,30 @@ class ModelExecutor:
     def num_slots(self) -> int:
         return self.method.num_slots
 
-    def prewarm_graphs(self) -> dict[str, list[int]]:
+    def prewarm_graphs(self) -> dict[str, list]:
         """Capture every CUDA graph the engine would capture on first use — each decode bucket's greedy step and
-        each prefill bucket's pieces — so no request pays a capture. Returns the sizes captured per kind."""
+        each prefill bucket's pieces — and build cuDNN's plans for the continued-chunk shapes long prompts meet
+        (``core.ragged.continued_cudnn_shapes`` of the quantized chunk lengths), so no request pays a capture or
+        a plan build. Returns the sizes captured per kind and the ``"QxS"`` plan shapes."""
         decode = self.decoder.prewarm() if self.decoder is not None else []
         prefill = self.prefill_graphs.prewarm() if self.prefill_graphs is not None else []
+        plans = []
+        cfg = self.config
+        if self.device.type == "cuda" and self.paged_kv and cfg.max_num_batched_tokens is not None:
+            chunks = {quantized_chunk(cfg.max_num_batched_tokens - 1, self.chunk_quantum),
+                      quantized_chunk(cfg.max_prefill_tokens, self.chunk_quantum)}
+            dims = self.method.dims
+            plans = prewarm_cudnn_plans(continued_cudnn_shapes(chunks, cfg.max_seq_len), dims.num_q_heads,
+                                        dims.num_kv_heads, dims.head_dim, self.dtype, self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return {"decode": decode, "prefill": prefill}
+        return {"decode": decode, "prefill": prefill, "cudnn_plans": [f"{q}x{s}" for q, s in plans]}
+
+    @property
+    def chunk_quantum(self) -> int:
+        """A prompt chunk that leaves part of its prompt is a multiple of this many tokens (the scheduler's
+        ``chunk_quantum``): ``config.CUDA_CHUNK_QUANTUM`` on CUDA, where cuDNN plans per shape; 1 elsewhere."""
+        return CUDA_CHUNK_QUANTUM if self.device.type == "cuda" else 1
 
     def close(self) -> None:
         """Release the device memory this executor allocated: the KV pool, the fused weights, the decode

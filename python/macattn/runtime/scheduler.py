@@ -6,7 +6,9 @@ each), then admission, then prompt chunks of the requests being prefilled, in ad
 the budget (``None``: whole prompts); a step with no decode (nothing waits on it) takes prompt tokens up to
 ``max_prefill_tokens`` instead. A prompt the executor cannot split (``packs`` False: A3's chunked
 prompts, prefix-store loads, methods keeping their own KV) is scheduled whole, alone if it exceeds the
-budget. Admission is FIFO and needs a free state slot (MAC rings + other per-slot state, reset on
+budget. A chunk that leaves part of its prompt is a multiple of ``chunk_quantum`` tokens (``quantized_chunk``;
+CUDA: ``config.CUDA_CHUNK_QUANTUM``), so long prompts meet the same chunk shapes whatever the decodes beside them.
+Admission is FIFO and needs a free state slot (MAC rings + other per-slot state, reset on
 acquire) and KV blocks for ``prompt + max_new_tokens``. Finishing releases both (the slot's states are
 reset again). A request sampled ``n`` times is admitted with its forks (``n`` slots; the forks' blocks
 beyond the shared full prompt blocks); once its prompt is prefilled, ``fork`` starts them.
@@ -22,7 +24,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from macattn.core.validation import check_int
 from macattn.runtime.block_manager import BlockManager
+from macattn.runtime.config import quantized_chunk
 from macattn.runtime.sequence import PrefillChunk, Sequence, SequenceStatus
 from macattn.runtime.slots import SlotStates
 
@@ -52,7 +56,8 @@ class Scheduler:
     def __init__(self, slots: SlotStates, blocks: BlockManager,
                  on_finish: Callable[[Sequence], None] | None = None, *,
                  max_num_batched_tokens: int | None = None, max_prefill_tokens: int | None = None,
-                 packs: Callable[[Sequence], bool] = lambda s: True, prefix_recompute: int | None = None) -> None:
+                 packs: Callable[[Sequence], bool] = lambda s: True, prefix_recompute: int | None = None,
+                 chunk_quantum: int = 1) -> None:
         self.slots = slots
         self.blocks = blocks
         self.on_finish = on_finish
@@ -65,6 +70,8 @@ class Scheduler:
             raise ValueError(f"prefix_recompute must be None or an int >= 1 over a caching BlockManager, got "
                              f"{prefix_recompute} (caching={blocks.caching})")
         self.prefix_recompute = prefix_recompute
+        check_int("chunk_quantum", chunk_quantum, 1)
+        self.chunk_quantum = chunk_quantum
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -106,6 +113,8 @@ class Scheduler:
                 end = L
             else:
                 end = min(L, start + left)
+                if end < L:       # a chunk that leaves some of its prompt: a multiple of the quantum
+                    end = start + quantized_chunk(end - start, self.chunk_quantum)
             prefills.append(PrefillChunk(seq, start, end))
             if left is not None:
                 left -= end - start
