@@ -78,6 +78,7 @@ import threading
 import time
 import traceback
 import urllib.request
+import zlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import ClassVar
@@ -616,6 +617,14 @@ class Server:
             torch.cuda.empty_cache()
 
 
+def prompt_seed(seed: int, w: Workload) -> int:
+    """The seed of workload ``w``'s prompts: ``--seed`` offset by the workload's name, so two workloads never send
+    the same prompts. A server kept from one workload to the next (same engine shape) would otherwise serve the
+    second one's prompts from the first one's prefix cache (measured: 4 x (32K -> 1024) after 4 x (32K -> 128)
+    had a TTFT p50 of 0.67 s against 4.76 s on a fresh server)."""
+    return seed + zlib.crc32(w.name.encode()) % 1_000_003
+
+
 def server_key(w: Workload, method: str, mac: str | None, prefix_caching: bool | None = None) -> tuple:
     return (w.slots, w.max_seq_len, method, mac, prefix_caching, w.mac_window)
 
@@ -854,8 +863,10 @@ def main(argv=None) -> int:
                                            num_turns=w.num_prompts, output_len=w.output_len, vocab=args.vocab,
                                            seed=args.seed)
                     else:
+                        rec["prompt_seed"] = prompt_seed(args.seed, w)
                         res = client_load(current.url, args.model, args, num_prompts=w.num_prompts,
-                                          input_len=w.input_len, output_len=w.output_len, concurrency=w.concurrency)
+                                          input_len=w.input_len, output_len=w.output_len, concurrency=w.concurrency,
+                                          seed=rec["prompt_seed"])
                     rec.update(hit_rate_between(before, scrape_metrics(current.url)))
                     if args.guidellm and w.kind == "throughput":
                         gdir = Path(out or "guidellm_out").parent / f"guidellm_{w.name}"
