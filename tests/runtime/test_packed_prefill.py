@@ -121,6 +121,15 @@ def test_a_step_stays_within_its_token_budget():
                     eng._append(c.seq, eng.executor.sample([c.seq], row[None])[0], row)
 
 
+def _whole_prompt_outputs(ps, max_new_tokens: int) -> list:
+    """The tokens of ``ps`` run on the tiny llama with whole-prompt prefills (the CPU default), in order."""
+    whole = LLMEngine(tiny_model("llama", seed=5), MAC, RuntimeConfig(max_batch_size=3, max_seq_len=128))
+    ids = [whole.add_request(p, max_new_tokens=max_new_tokens) for p in ps]
+    while whole.has_unfinished():
+        whole.step()
+    return [whole.pop_finished(i).output for i in ids]
+
+
 def test_a_step_without_decodes_takes_the_prefill_budget():
     """With nothing decoding, a step takes prompt tokens up to ``max_prefill_tokens``; once a request
     decodes, steps fall back to ``max_num_batched_tokens``; the tokens equal a whole-prompt run's."""
@@ -136,12 +145,7 @@ def test_a_step_without_decodes_takes_the_prefill_budget():
         sizes.append((bool(step.decodes), step.num_tokens))
         eng.execute(step)
     assert sizes[0] == (False, 45)                    # the first step fills the prefill budget
-    whole = LLMEngine(tiny_model("llama", seed=5), MAC, RuntimeConfig(max_batch_size=3, max_seq_len=128))
-    wids = [whole.add_request(p, max_new_tokens=4) for p in ps]
-    while whole.has_unfinished():
-        whole.step()
-    for a, b in zip(ids, wids):
-        assert eng.pop_finished(a).output == whole.pop_finished(b).output
+    assert [eng.pop_finished(i).output for i in ids] == _whole_prompt_outputs(ps, 4)
 
 
 def test_the_prefill_budget_is_validated():
@@ -189,12 +193,7 @@ def test_partial_chunks_are_multiples_of_the_quantum():
             room -= c.num_tokens
         eng.execute(step)
     assert partial and any(n % 8 == 0 for n in partial)
-    whole = LLMEngine(tiny_model("llama", seed=5), MAC, RuntimeConfig(max_batch_size=3, max_seq_len=128))
-    wids = [whole.add_request(p, max_new_tokens=5) for p in ps]
-    while whole.has_unfinished():
-        whole.step()
-    for a, b in zip(ids, wids):
-        assert eng.pop_finished(a).output == whole.pop_finished(b).output
+    assert [eng.pop_finished(i).output for i in ids] == _whole_prompt_outputs(ps, 5)
 
 
 def test_the_chunk_quantum_rule_and_its_validation():
