@@ -357,8 +357,8 @@ def tune_completion_gate(model, prompts: list, *, maps, budget: float, n_sink: i
     prompts / held_out: ``[(prompt [1, ~N], full tokens)]`` of one nominal length (``calibration_prompts``; the
     budget's Top-k is that of the longest, ``N``); maps: the ``CompletionFeatureMaps``; selector: the Top-k
     selector (None: exhaustive). One probe run (``evaluation.methods.CompletionProbe``, full attention's
-    trajectory) records per layer the term's parts at the completion Top-k and Top-k alone at the equal-cost
-    Top-k of a gated-off layer; ``calibrate_mass`` fits the term's mass per query head on them
+    trajectory) records per layer the term's parts at the completion Top-k and Top-k alone at the budget's Top-k
+    alone, which a gated-off layer runs (the gate's ``off_top_k``); ``calibrate_mass`` fits the term's mass per query head on them
     (``mass.fit_log_mass``, the gate's ``log_mass``); a layer keeps the term iff its error (calibrated or not)
     is below Top-k alone's. ``agreement``: the gated model's greedy agreement on the calibration prompts must
     exceed Top-k alone's at the budget's Top-k (a tie is no evidence that the term helps: at 16K, gates kept on a
@@ -371,15 +371,13 @@ def tune_completion_gate(model, prompts: list, *, maps, budget: float, n_sink: i
     from macattn.methods.completion.completion_on_miss import MissCompletionConfig
     from macattn.methods.completion.gate import CompletionGate
     from macattn.methods.completion.mass import fit_log_mass, layer_error, reweighed_output
-    from macattn.methods.completion.reference import equal_cost_top_k
-
     if not prompts:
         raise ValueError("prompts must hold at least one (prompt, full tokens) pair")
     N, gen = max(int(p.shape[1]) for p, _ in prompts), max(len(r) for _, r in prompts)
     spec = maps.spec
     kc, kt = completion_budget_ks(budget, N, n_sink=n_sink, n_tail=n_tail, gen_len=gen,
                                   feature_dim=spec.feature_dim, head_dim=spec.head_dim)
-    k_off = equal_cost_top_k(kc, feature_dim=spec.feature_dim, head_dim=spec.head_dim, gen_len=gen)
+    k_off = kt       # a gated-off layer runs this budget's own Top-k alone (the gate's off_top_k)
 
     def cfg(k):
         return MissCompletionConfig(n_sink=n_sink, n_tail=n_tail, top_k=k, feature_dim=spec.feature_dim)
@@ -410,7 +408,7 @@ def tune_completion_gate(model, prompts: list, *, maps, budget: float, n_sink: i
 
     def make(layers):
         return CompletionGate(tuple(layers), gen_len=gen, log_mass=tuple(log_mass) if calibrate_mass else None,
-                              tuned_for=tuned_for)
+                              off_top_k=(kc, k_off), tuned_for=tuned_for)
 
     trail = []
     if agreement and any(on):

@@ -108,6 +108,27 @@ def test_gated_off_layer_spends_completion_cost_on_tokens(beta):
     assert layer_top_k(gate, 0, kc, feature_dim=F, head_dim=d) == (kc, True)
     assert layer_top_k(gate, 1, kc, feature_dim=F, head_dim=d) == (k_off, False)
     assert layer_top_k(None, 1, kc, feature_dim=F, head_dim=d) == (kc, True)
+    tuned = CompletionGate((True, False), gen_len=gen, off_top_k=(kc, kt))    # what macattn tune writes
+    assert layer_top_k(tuned, 1, kc, feature_dim=F, head_dim=d) == (kt, False)
+    assert layer_top_k(tuned, 0, kc, feature_dim=F, head_dim=d) == (kc, True)
+    other = equal_cost_top_k(kc + 1, feature_dim=F, head_dim=d, gen_len=gen)  # a Top-k it was not tuned at
+    assert layer_top_k(tuned, 1, kc + 1, feature_dim=F, head_dim=d) == (other, False)
+
+
+def test_the_gate_file_keeps_the_budgets_top_k_alone(tmp_path):
+    gate = CompletionGate((False, True), gen_len=4, off_top_k=[63, 79])
+    assert gate.off_top_k == (63, 79)
+    back = CompletionConfig(gate=gate.save(tmp_path / "gate.json")).gate
+    assert back == gate and back.off_top_k == (63, 79)
+    assert json.loads((tmp_path / "gate.json").read_text())["off_top_k"] == [63, 79]
+    assert CompletionGate((True,), gen_len=1).off_top_k is None
+
+
+@pytest.mark.parametrize("off_top_k,match", [((5,), "pair"), ((5, 4), r"off_top_k\[1\]"), ((-1, 4), r"off_top_k\[0\]"),
+                                             ((1.5, 4), r"off_top_k\[0\]"), ("57", "pair")])
+def test_bad_off_top_k(off_top_k, match):
+    with pytest.raises(ValueError, match=match):
+        CompletionGate((True, False), gen_len=1, off_top_k=off_top_k)
 
 
 # ----------------------------------------------------------------------------- the resident and page ops

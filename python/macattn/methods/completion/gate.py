@@ -2,8 +2,9 @@
 
 On a given checkpoint the completion term can add more error than it removes (``benchmarks/notes/
 completion_fidelity.md``). A ``CompletionGate`` says, per layer, whether the term is used; a layer with it
-off runs Top-k alone and spends what the term would have cost on retrieved tokens instead
-(``reference.equal_cost_top_k``), so a gated layer never reads more than an ungated one. ``macattn tune --completion``
+off runs Top-k alone and spends what the term would have cost on retrieved tokens instead: the budget's own Top-k
+alone at the Top-k the gate was tuned at (``off_top_k``), else ``reference.equal_cost_top_k``, so a gated layer never
+reads more than the budget (with every layer off, a tuned gate is exactly Top-k alone at that budget). ``macattn tune --completion``
 chooses it on calibration prompts (``macattn.apps.tune.tune_completion_gate``) and writes it with
 ``save``; ``CompletionConfig(gate=FILE)`` reads it, and through it every surface that takes completion options
 (``EngineArgs.completion_gate``, ``LLM(..., completion_gate=FILE)``, ``completion_method``).
@@ -22,7 +23,7 @@ offloaded decode all take ``log φ_q`` through it, and the offloaded decode also
 ``log φ_k`` page fetches.
 
 File (JSON): ``{"kind": "completion_gate", "layers": [bool, ...], "gen_len": int, "log_mass": [[float, ...],
-...] (optional), "tuned_for": {...}}``; ``tuned_for`` records the settings it was chosen under (budget, sink /
+...] (optional), "off_top_k": [k, k_off] (optional), "tuned_for": {...}}``; ``tuned_for`` records the settings it was chosen under (budget, sink /
 tail, maps; informational).
 """
 from __future__ import annotations
@@ -61,12 +62,15 @@ class CompletionGate:
     """layers: per layer, True = the completion term is used (one entry per layer, all False allowed: the term
     off everywhere); gen_len: decode steps the cache is amortised over in ``reference.equal_cost_top_k`` (>= 1);
     log_mass: None (no correction) or per layer one finite ``δ`` per query head added to ``log φ_q`` where the
-    term is on (the term's mass times ``e^δ``; read, never used, where it is off); tuned_for: the settings it was
-    chosen under."""
+    term is on (the term's mass times ``e^δ``; read, never used, where it is off); off_top_k: None or ``(k,
+    k_off)``: for a request at the Top-k ``k`` the gate was tuned at, a layer with the term off runs Top-k alone at
+    ``k_off``, the Top-k alone of that budget (``reference.layer_top_k``; the cost model's ``equal_cost_top_k``
+    rounds down and can be a token or two short of it); tuned_for: the settings it was chosen under."""
 
     layers: tuple[bool, ...]
     gen_len: int
     log_mass: tuple[tuple[float, ...], ...] | None = None
+    off_top_k: tuple[int, int] | None = None
     tuned_for: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +81,13 @@ class CompletionGate:
         check_int("gen_len", self.gen_len, 1)
         if self.log_mass is not None:
             object.__setattr__(self, "log_mass", _log_mass_table(self.log_mass, len(self.layers)))
+        if self.off_top_k is not None:
+            if not isinstance(self.off_top_k, (tuple, list)) or len(self.off_top_k) != 2:
+                raise ValueError(f"off_top_k must be None or a pair (k, k_off), got {self.off_top_k!r}")
+            k, k_off = self.off_top_k
+            check_int("off_top_k[0]", k, 0)
+            check_int("off_top_k[1]", k_off, k)
+            object.__setattr__(self, "off_top_k", (k, k_off))
         if not isinstance(self.tuned_for, dict):
             raise TypeError(f"tuned_for must be a dict, got {type(self.tuned_for).__name__}")
 
@@ -106,6 +117,8 @@ class CompletionGate:
         d = {"kind": GATE_KIND, "layers": list(self.layers), "gen_len": self.gen_len}
         if self.log_mass is not None:
             d["log_mass"] = [list(row) for row in self.log_mass]
+        if self.off_top_k is not None:
+            d["off_top_k"] = list(self.off_top_k)
         return {**d, "tuned_for": self.tuned_for}
 
     @classmethod
@@ -113,12 +126,12 @@ class CompletionGate:
         if not isinstance(d, dict) or d.get("kind") != GATE_KIND:
             raise ValueError(f"not a completion gate (kind must be {GATE_KIND!r}), got "
                              f"{d.get('kind') if isinstance(d, dict) else type(d).__name__!r}")
-        unknown = set(d) - {"kind", "layers", "gen_len", "log_mass", "tuned_for"}
+        unknown = set(d) - {"kind", "layers", "gen_len", "log_mass", "off_top_k", "tuned_for"}
         missing = {"layers", "gen_len"} - set(d)
         if unknown or missing:
             raise ValueError(f"completion gate fields: unknown {sorted(unknown)}, missing {sorted(missing)}")
         return cls(layers=tuple(d["layers"]), gen_len=d["gen_len"], log_mass=d.get("log_mass"),
-                   tuned_for=d.get("tuned_for", {}))
+                   off_top_k=d.get("off_top_k"), tuned_for=d.get("tuned_for", {}))
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)

@@ -224,7 +224,7 @@ class OffloadedKV(SlotPool):
         if K > off.hot_pages:
             raise ValueError(f"hot_pages={off.hot_pages} must be >= the pages a step selects per KV head "
                              f"(ceil(top_k / page_size={cfg.page_size}) = {K} with top_k={cfg.top_k} and the gate's "
-                             f"equal-cost Top-k of the layers it turns off)")
+                             f"Top-k alone of the layers it turns off)")
         need = offload_bytes(cfg, off, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                              feature_dim=feature_dim, dtype=dtype)
         if need["host"] * num_slots > off.host_budget_bytes:

@@ -583,8 +583,9 @@ def layer_top_k(gate: CompletionGate | None, layer: int, k: int, *, feature_dim:
                 head_dim: int) -> tuple[int, bool]:
     """``(Top-k, completion term on)`` of ``layer`` under ``gate`` (``CompletionConfig.gate``) for a request whose
     Top-k is ``k`` (``top_k`` or ``k_for``): ``(k, True)`` without a gate or where it is on; where it is off,
-    Top-k alone at the same token-equivalents (``equal_cost_top_k`` with the gate's ``gen_len``; ``feature_dim``
-    of the maps, ``head_dim`` of the model) and False."""
+    Top-k alone within the same token-equivalents and False: the gate's ``off_top_k`` Top-k alone where ``k`` is
+    the Top-k it was tuned at (that budget's own Top-k alone), else ``equal_cost_top_k`` with the gate's
+    ``gen_len`` (``feature_dim`` of the maps, ``head_dim`` of the model)."""
     check_int("layer", layer, 0)
     if gate is None:
         return k, True
@@ -592,4 +593,6 @@ def layer_top_k(gate: CompletionGate | None, layer: int, k: int, *, feature_dim:
         raise ValueError(f"layer must be < the gate's {gate.num_layers} layers, got {layer}")
     if gate.layers[layer]:
         return k, True
+    if gate.off_top_k is not None and gate.off_top_k[0] == k:
+        return gate.off_top_k[1], False
     return equal_cost_top_k(k, feature_dim=feature_dim, head_dim=head_dim, gen_len=gate.gen_len), False
