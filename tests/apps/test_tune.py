@@ -276,3 +276,27 @@ def test_completion_gate_keeps_the_term_where_it_lowers_the_error_and_the_cli_wr
     written = CompletionConfig(gate=out).gate
     assert list(written.layers) == json.loads(report.read_text())["gate"]
     assert [list(x) for x in written.log_mass] == json.loads(report.read_text())["log_mass"]
+
+
+def test_an_all_off_tuned_gate_is_top_k_alone_at_its_budget():
+    """Every layer off, a tuned gate (``off_top_k``: the budget's own Top-k alone) gives exactly Top-k alone's
+    greedy tokens and attention outputs at that budget, not the cost model's rounded-down Top-k."""
+    from macattn.apps.tune import completion_budget_ks, measure_methods
+    from macattn.evaluation.methods import RetrievalCompletion
+    from macattn.methods.completion.completion_on_miss import MissCompletionConfig
+    from macattn.methods.completion.feature_maps import maps_for_model
+    from macattn.methods.completion.gate import CompletionGate
+
+    model = _small_model()
+    maps = maps_for_model(model, feature_dim=8, hidden=16)
+    prompts = calibration_prompts(model, TuneSettings(lengths=(256,), n=1, gen=3), ENC, HAY, progress=False)
+    N = max(int(p.shape[1]) for p, _ in prompts)
+    kc, kt = completion_budget_ks(0.3, N, n_sink=4, n_tail=8, gen_len=3, feature_dim=8, head_dim=maps.spec.head_dim)
+    assert kt > kc
+    cfg = lambda k: MissCompletionConfig(n_sink=4, n_tail=8, top_k=k, feature_dim=8)  # noqa: E731
+    gate = CompletionGate((False,) * maps.spec.num_layers, gen_len=3, off_top_k=(kc, kt))
+    gated, alone = measure_methods(model, [RetrievalCompletion(cfg(kc), maps=maps, completion=True, gen_len=3, gate=gate),
+                                           RetrievalCompletion(cfg(kt), maps=maps, completion=False, gen_len=3)],
+                                   prompts)
+    assert gated["greedy_agreement"] == alone["greedy_agreement"]
+    assert gated["error"] == alone["error"] and gated["max_error"] == alone["max_error"]    # per layer, exactly
