@@ -295,8 +295,8 @@ def test_an_all_off_tuned_gate_is_top_k_alone_at_its_budget():
     assert kt > kc
     cfg = lambda k: MissCompletionConfig(n_sink=4, n_tail=8, top_k=k, feature_dim=8)  # noqa: E731
     gate = CompletionGate((False,) * maps.spec.num_layers, gen_len=3, off_top_k=(kc, kt))
-    gated, alone = measure_methods(model, [RetrievalCompletion(cfg(kc), maps=maps, completion=True, gen_len=3, gate=gate),
-                                           RetrievalCompletion(cfg(kt), maps=maps, completion=False, gen_len=3)],
-                                   prompts)
+    methods = [RetrievalCompletion(cfg(kc), maps=maps, completion=True, gen_len=3, gate=gate),
+               RetrievalCompletion(cfg(kt), maps=maps, completion=False, gen_len=3)]
+    gated, alone = measure_methods(model, methods, prompts)
     assert gated["greedy_agreement"] == alone["greedy_agreement"]
     assert gated["error"] == alone["error"] and gated["max_error"] == alone["max_error"]    # per layer, exactly

@@ -4,10 +4,10 @@ On a given checkpoint the completion term can add more error than it removes (``
 completion_fidelity.md``). A ``CompletionGate`` says, per layer, whether the term is used; a layer with it
 off runs Top-k alone and spends what the term would have cost on retrieved tokens instead: the budget's own Top-k
 alone at the Top-k the gate was tuned at (``off_top_k``), else ``reference.equal_cost_top_k``, so a gated layer never
-reads more than the budget (with every layer off, a tuned gate is exactly Top-k alone at that budget). ``macattn tune --completion``
-chooses it on calibration prompts (``macattn.apps.tune.tune_completion_gate``) and writes it with
-``save``; ``CompletionConfig(gate=FILE)`` reads it, and through it every surface that takes completion options
-(``EngineArgs.completion_gate``, ``LLM(..., completion_gate=FILE)``, ``completion_method``).
+reads more than the budget (with every layer off, a tuned gate is exactly Top-k alone at that budget).
+``macattn tune --completion`` chooses it on calibration prompts (``macattn.apps.tune.tune_completion_gate``) and
+writes it with ``save``; ``CompletionConfig(gate=FILE)`` reads it, and through it every surface that takes
+completion options (``EngineArgs.completion_gate``, ``LLM(..., completion_gate=FILE)``, ``completion_method``).
 
 A layer whose term is on may also carry a calibrated mass (``log_mass``, per query head): the distilled maps
 estimate the unselected middle's softmax mass on the whole mid region, while the step needs what the Top-k leaves
@@ -23,8 +23,8 @@ offloaded decode all take ``log φ_q`` through it, and the offloaded decode also
 ``log φ_k`` page fetches.
 
 File (JSON): ``{"kind": "completion_gate", "layers": [bool, ...], "gen_len": int, "log_mass": [[float, ...],
-...] (optional), "off_top_k": [k, k_off] (optional), "tuned_for": {...}}``; ``tuned_for`` records the settings it was chosen under (budget, sink /
-tail, maps; informational).
+...] (optional), "off_top_k": [k, k_off] (optional), "tuned_for": {...}}``; ``tuned_for`` records the settings
+it was chosen under (budget, sink / tail, maps; informational).
 """
 from __future__ import annotations
 
