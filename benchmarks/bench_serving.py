@@ -77,7 +77,6 @@ import sys
 import threading
 import time
 import traceback
-import urllib.request
 import zlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -251,10 +250,10 @@ def scrape_metrics(url: str) -> dict[str, float]:
     histograms' ``_sum`` / ``_count`` (per-request ``RequestOutput.metrics``) and generated tokens."""
     keys = ("macattn_mac_hit_rate_sum", "macattn_mac_hit_rate_count", "macattn_mac_kv_skip_sum",
             "macattn_mac_kv_skip_count", "macattn_generated_tokens_total")
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
+    from run_clients import metrics_text
+
     out = {}
-    for line in text.splitlines():
+    for line in metrics_text(url).splitlines():
         parts = line.split()
         if len(parts) == 2 and parts[0] in keys:
             out[parts[0]] = float(parts[1])
@@ -528,16 +527,7 @@ def run_guidellm_beside(exe: str, server: "Server", tok, w: Workload, out_dir: P
     out_dir.mkdir(parents=True, exist_ok=True)
     tok_dir = out_dir / "tokenizer"
     tok.save_pretrained(tok_dir)
-
-    class _Target:
-        url = server.url
-
-        @staticmethod
-        def metrics() -> str:
-            with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as r:
-                return r.read().decode()
-
-    res = run_guidellm(exe, _Target, out_dir, requests=w.num_prompts, prompt_tokens=w.input_len,
+    res = run_guidellm(exe, server, out_dir, requests=w.num_prompts, prompt_tokens=w.input_len,
                        output_tokens=w.output_len, timeout=timeout, tokenizer=tok_dir,
                        profile=f"kind=concurrent,streams={w.concurrency}",
                        formats=((f"{w.name}_completions", "/v1/completions"),))

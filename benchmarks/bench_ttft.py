@@ -65,7 +65,7 @@ def ttft(model, B: int, L: int, budget: int, mac: bool, device: str, reps: int, 
         rc = dataclasses.replace(rc, max_num_batched_tokens=10**9)      # "whole prompts" on CUDA too
     eng = LLMEngine(model, MacConfig() if mac else MacConfig(enabled=False), rc)
     g = torch.Generator().manual_seed(seed)
-    doc = torch.randint(300, eng.vocab_size, (L,), generator=g)
+    doc = torch.randint(300, eng.vocab_size, (L,), generator=g) if question else None
 
     def prompt() -> torch.Tensor:
         if not question:

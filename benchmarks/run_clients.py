@@ -87,8 +87,13 @@ class Server:
                 self.ready.set()
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as r:
-            return r.read().decode()
+        return metrics_text(self.url)
+
+
+def metrics_text(url: str) -> str:
+    """The Prometheus text of the server at ``url`` (``/metrics``)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        return r.read().decode()
 
     def stop(self) -> int | None:
         if self.proc.poll() is None:
@@ -147,7 +152,7 @@ def _version(exe: str, module: str) -> str | None:
 def run_guidellm(exe: str, server, out: Path, *, requests: int, prompt_tokens: int, output_tokens: int,
                  timeout: float, tokenizer: Path = CHECKPOINT, profile: str = "kind=synchronous",
                  formats: tuple = (("chat", None), ("completions", "/v1/completions"))) -> dict:
-    """guidellm against ``server`` (``.url`` and ``.metrics()``, the Prometheus text): one run per ``formats``
+    """guidellm against the server at ``server.url`` (its ``/metrics`` read before and after): one run per ``formats``
     entry ``(name, request_format or None for guidellm's default chat)``, ``requests`` synthetic prompts of
     ``prompt_tokens`` tokens (counted by ``tokenizer``, a Hugging Face tokenizer directory) each, ``profile``
     guidellm's load profile (synchronous by default; e.g. ``kind=concurrent,streams=16``)."""
@@ -161,9 +166,9 @@ def run_guidellm(exe: str, server, out: Path, *, requests: int, prompt_tokens: i
                "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
                "--tokenizer", f"kind=huggingface_auto,model={tok}",
                "--output", f"kind=json,path={report}", "--disable-console-interactive"]
-        before = request_counts(server.metrics())
+        before = request_counts(metrics_text(server.url))
         rc, wall = _run(cmd, out / f"guidellm_{name}.log", timeout)
-        after = request_counts(server.metrics())
+        after = request_counts(metrics_text(server.url))
         res = {"command": _portable(cmd), "exit_code": rc, "wall_s": round(wall, 1), "request_format": fmt or
                "default (/v1/chat/completions, streaming)",
                "server_responses": {k: after.get(k, 0) - before.get(k, 0) for k in after}}

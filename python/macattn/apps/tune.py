@@ -358,9 +358,9 @@ def tune_completion_gate(model, prompts: list, *, maps, budget: float, n_sink: i
     budget's Top-k is that of the longest, ``N``); maps: the ``CompletionFeatureMaps``; selector: the Top-k
     selector (None: exhaustive). One probe run (``evaluation.methods.CompletionProbe``, full attention's
     trajectory) records per layer the term's parts at the completion Top-k and Top-k alone at the budget's Top-k
-    alone, which a gated-off layer runs (the gate's ``off_top_k``); ``calibrate_mass`` fits the term's mass per query head on them
-    (``mass.fit_log_mass``, the gate's ``log_mass``); a layer keeps the term iff its error (calibrated or not)
-    is below Top-k alone's. ``agreement``: the gated model's greedy agreement on the calibration prompts must
+    alone, which a gated-off layer runs (the gate's ``off_top_k``); ``calibrate_mass`` fits the term's mass per
+    query head on them (``mass.fit_log_mass``, the gate's ``log_mass``); a layer keeps the term iff its error
+    (calibrated or not) is below Top-k alone's. ``agreement``: the gated model's greedy agreement on the calibration prompts must
     exceed Top-k alone's at the budget's Top-k (a tie is no evidence that the term helps: at 16K, gates kept on a
     calibration tie lost 1.3-1.8 % agreement on the evaluated prompts, ``benchmarks/notes/completion_fidelity.md``);
     while it does not, the kept layer of least relative gain is turned off (each try in
@@ -371,13 +371,13 @@ def tune_completion_gate(model, prompts: list, *, maps, budget: float, n_sink: i
     from macattn.methods.completion.completion_on_miss import MissCompletionConfig
     from macattn.methods.completion.gate import CompletionGate
     from macattn.methods.completion.mass import fit_log_mass, layer_error, reweighed_output
+
     if not prompts:
         raise ValueError("prompts must hold at least one (prompt, full tokens) pair")
     N, gen = max(int(p.shape[1]) for p, _ in prompts), max(len(r) for _, r in prompts)
     spec = maps.spec
     kc, kt = completion_budget_ks(budget, N, n_sink=n_sink, n_tail=n_tail, gen_len=gen,
                                   feature_dim=spec.feature_dim, head_dim=spec.head_dim)
-    k_off = kt       # a gated-off layer runs this budget's own Top-k alone (the gate's off_top_k)
 
     def cfg(k):
         return MissCompletionConfig(n_sink=n_sink, n_tail=n_tail, top_k=k, feature_dim=spec.feature_dim)
@@ -385,7 +385,7 @@ def tune_completion_gate(model, prompts: list, *, maps, budget: float, n_sink: i
     def variant(k, completion, gate=None):
         return RetrievalCompletion(cfg(k), maps=maps, completion=completion, gen_len=gen, selector=selector, gate=gate)
 
-    probe = CompletionProbe(cfg(kc), maps=maps, top_k_alone=k_off, selector=selector)
+    probe = CompletionProbe(cfg(kc), maps=maps, top_k_alone=kt, selector=selector)   # what a gated-off layer runs
     measure_methods(model, [probe], prompts, progress=progress)
     errs = dict(completion=[], completion_calibrated=[], topk_alone=[])
     log_mass = []
@@ -403,12 +403,12 @@ def tune_completion_gate(model, prompts: list, *, maps, budget: float, n_sink: i
     term = errs["completion_calibrated"]
     on = [bool(c < t) for c, t in zip(term, errs["topk_alone"])]
     tuned_for = dict(budget=budget, prompt_len=N, n_sink=n_sink, n_tail=n_tail, feature_dim=spec.feature_dim,
-                     top_k_completion=kc, top_k_alone=kt, top_k_gated_off=k_off, calibrate_mass=calibrate_mass,
+                     top_k_completion=kc, top_k_alone=kt, top_k_gated_off=kt, calibrate_mass=calibrate_mass,
                      selector="exhaustive" if selector is None else type(selector).__name__)
 
     def make(layers):
         return CompletionGate(tuple(layers), gen_len=gen, log_mass=tuple(log_mass) if calibrate_mass else None,
-                              off_top_k=(kc, k_off), tuned_for=tuned_for)
+                              off_top_k=(kc, kt), tuned_for=tuned_for)
 
     trail = []
     if agreement and any(on):
@@ -423,7 +423,7 @@ def tune_completion_gate(model, prompts: list, *, maps, budget: float, n_sink: i
             on[min((i for i in range(len(on)) if on[i]), key=gain.get)] = False
     gate = make(on)
     report = dict(budget=budget, prompt_len=N, gen_len=gen, top_k_completion=kc, top_k_alone=kt,
-                  top_k_gated_off=k_off, gate=list(gate.layers), log_mass=[list(x) for x in log_mass],
+                  top_k_gated_off=kt, gate=list(gate.layers), log_mass=[list(x) for x in log_mass],
                   calibration=dict(completion=dict(error=errs["completion"]),
                                    completion_calibrated=dict(error=errs["completion_calibrated"]),
                                    topk_alone=dict(error=errs["topk_alone"])),
