@@ -47,8 +47,10 @@ carries ``TTFT p50 / prefill floor`` and ``output tok/s / floor tok/s``, where f
 (prefill floor of all prompts + decode floor x decode steps; a wave of ``concurrency`` requests takes
 ``output_len - 1`` decode steps after its prefill). Every (batch, max_seq_len, method, MAC) shape gets its
 own ``LLM`` + server; a server is shut down (``server.should_exit``, ``llm.shutdown()``, the model unbound)
-before the next starts. On CUDA all decode-graph buckets are captured before the first request and one
-warm-up request of the workload's prompt length runs untimed. ``--max-num-batched-tokens`` goes to
+before the next starts. On CUDA all decode-graph buckets are captured before the first request. Before each
+record a warm-up runs untimed (``warmup_load``): one request of the workload's prompt length, or for a throughput
+workload a first wave of ``concurrency`` of them (8 output tokens), so the paths the timed load takes (prompts
+chunked beside running decodes) have run once in this process whichever record comes first. ``--max-num-batched-tokens`` goes to
 ``LLM(...)`` only when given and only if this version's ``LLM`` takes it (the JSON says which).
 
 ``--guidellm EXE`` also runs guidellm (its ``concurrent`` profile at the workload's concurrency, the workload's
@@ -534,6 +536,16 @@ def run_guidellm_beside(exe: str, server: "Server", tok, w: Workload, out_dir: P
     return next(iter(res.values()))
 
 
+def warmup_load(w: Workload) -> dict:
+    """The untimed warm-up before a record: ``num_prompts`` / ``output_len`` / ``concurrency`` of a first wave of
+    the workload (one short request for a TTFT or multi-turn workload). Lazy first-call costs — kernel and plan
+    builds of the shapes only a loaded step meets — are paid once per process, so without the wave the first record
+    of a process paid them in its timed load (an A/B's first variant measured slower: ``benchmarks/notes/serving.md``)."""
+    if w.kind != "throughput":
+        return dict(num_prompts=1, output_len=2, concurrency=1)
+    return dict(num_prompts=w.concurrency, output_len=min(w.output_len, 8), concurrency=w.concurrency)
+
+
 def prewarm_graphs(llm) -> dict:
     """What the server's engine captured before the first request (``EngineArgs.build_engine`` captures every decode
     bucket's greedy step and every prefill bucket's pieces at start-up; ``ModelExecutor.prewarm_graphs`` captures
@@ -844,8 +856,8 @@ def main(argv=None) -> int:
                     rec["server"] = current.info()
                     if not args.no_warmup:
                         t1 = time.perf_counter()
-                        client_load(current.url, args.model, args, num_prompts=1, input_len=w.input_len,
-                                    output_len=2, concurrency=1, seed=args.seed + 1000)
+                        client_load(current.url, args.model, args, input_len=w.input_len, seed=args.seed + 1000,
+                                    **warmup_load(w))
                         rec["warmup_s"] = time.perf_counter() - t1
                     before = scrape_metrics(current.url)
                     if w.kind == "multiturn":

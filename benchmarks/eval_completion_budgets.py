@@ -4,6 +4,8 @@ item 4): Top-k alone, completion ungated and completion gated at equal token-equ
     python benchmarks/eval_completion_budgets.py --n 4 --calibration-n 4   # CPU, ~25 min on 2 cores
     python benchmarks/eval_completion_budgets.py --device cuda --lengths 16384 --n 1 --gen 128 \
         --selectors exhaustive pages --out $OUT/eval_completion_budgets_16k.json   # GPU
+    python benchmarks/eval_completion_budgets.py --device cuda --lengths 16384 --n 3 --gen 128 --calibration-n 4 \
+        --selectors pages --budgets 0.01 --variants "top-k alone" "completion gated" --out $OUT/p1.json   # one part
     python benchmarks/eval_completion_budgets.py --merge A.json B.json --out C.json   # runs of disjoint budgets
     python benchmarks/eval_completion_budgets.py --dry-run       # random tiny model, seconds
 
@@ -39,6 +41,7 @@ from macattn.methods.completion.feature_maps import load_feature_maps, maps_for_
 from macattn.methods.completion.reference import PageSummaryTopK
 
 RESULTS = Path(__file__).resolve().parent / "results"
+VARIANTS = ("top-k alone", "completion", "completion gated")
 
 
 def main(argv=None) -> int:
@@ -56,6 +59,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n-sink", type=int, default=4)
     ap.add_argument("--n-tail", type=int, default=16)
     ap.add_argument("--no-mass-calibration", action="store_true", help="gate without the calibrated mass")
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                    help="which of the three to evaluate (the ungated term reads no gate: a re-run of the gate alone "
+                         "may leave it out)")
     ap.add_argument("--out", default=str(RESULTS / "eval_completion_budgets.json"))
     ap.add_argument("--device", default="cpu", help="the model's and the maps' device (the references follow it)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
@@ -104,6 +110,8 @@ def main(argv=None) -> int:
                 kc, kt = rep["top_k_completion"], rep["top_k_alone"]
                 for kind, k, comp, g in (("top-k alone", kt, False, None), ("completion", kc, True, None),
                                          ("completion gated", kc, True, gate)):
+                    if kind not in args.variants:
+                        continue
                     methods.append(RetrievalCompletion(cfg(k), maps=maps, completion=comp, gen_len=args.gen,
                                                        selector=sel, gate=g,
                                                        name=f"{kind} {sel_name} N={length} b={beta:g} k={k}"))
@@ -123,6 +131,7 @@ def main(argv=None) -> int:
             if not args.dry_run:      # written after every (length, selector): a run cut short keeps what it did
                 out = {"benchmark": "eval_completion_budgets", "model": desc, "settings": vars(args),
                        "torch": torch.__version__, "device": str(next(model.parameters()).device),
+                       "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
                        "samples_per_length": len(settings.tasks) * settings.n, "gates": gates, "rows": rows,
                        "full_attention": {n: r["methods"].get("full") for n, r in raw.items()}, "raw": raw,
                        "seconds": time.time() - t0}
@@ -172,7 +181,7 @@ def plot(rows: list, path: Path) -> Path:
 
     groups = sorted({key(r["method"])[1:3] for r in rows})
     fig, axes = plt.subplots(len(groups), 2, figsize=(9, 3.2 * len(groups)), squeeze=False)
-    kinds = ("top-k alone", "completion", "completion gated")
+    kinds = VARIANTS
     for (sel, n), (ax_a, ax_e) in zip(groups, axes):
         for j, kind in enumerate(kinds):
             pts = sorted((key(r["method"])[3], r) for r in rows if key(r["method"])[:3] == (kind, sel, n))

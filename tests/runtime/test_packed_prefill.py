@@ -205,3 +205,25 @@ def test_the_chunk_quantum_rule_and_its_validation():
     eng = LLMEngine(tiny_model("llama", seed=5), MAC, RuntimeConfig(max_batch_size=2, max_seq_len=64))
     with pytest.raises(ValueError, match="chunk_quantum"):
         Scheduler(eng.slot_states, eng.executor.blocks, chunk_quantum=0)
+
+
+def _rings_after_prefill(mac_config, prompt: torch.Tensor) -> list[list[torch.Tensor]]:
+    """Per layer the ring rows (q, o, lse, pos) of ``prompt``'s request right after its packed prefill."""
+    eng = LLMEngine(tiny_model("llama", seed=4), mac_config, RuntimeConfig(max_batch_size=1, max_seq_len=128))
+    seq = eng.requests[eng.add_request(prompt, max_new_tokens=3)]
+    while not seq.output:
+        eng.step()
+    st = eng.mac_state
+    return [[t[layer][seq.slot].clone() for t in (st.qring, st.oring, st.ring_lse, st.ring_pos)]
+            for layer in range(st.num_layers)]
+
+
+def test_a_layer_with_mac_off_seeds_no_ring():
+    """Seeding writes a ring only where MAC is on: a layer with MAC off never matches against its ring, so its
+    row stays empty (every position -1) while a layer with MAC on holds what an all-on engine's holds."""
+    prompt = prompts(1, seed=3, lo=40, hi=40)[0]
+    every = _rings_after_prefill(MAC, prompt)
+    mixed = _rings_after_prefill(MAC.with_overrides({0: {"enabled": False}}), prompt)
+    assert (every[0][3] >= 0).any() and (mixed[0][3] == -1).all()
+    for a, b in zip(every[1], mixed[1]):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)

@@ -15,8 +15,8 @@ import functools
 
 import torch
 
-__all__ = ["flash_lower_right", "flash_lower_right_reference", "kv_splits", "BLOCK_M", "MIN_SPLIT_KEYS",
-           "PROGRAMS_PER_SM"]
+__all__ = ["flash_forward", "flash_lower_right", "flash_lower_right_reference", "kv_splits", "BLOCK_M",
+           "MIN_SPLIT_KEYS", "PROGRAMS_PER_SM"]
 
 BLOCK_M = 128
 """Query rows per flash program (torch's flash-attention forward at head dim <= 256)."""
@@ -43,10 +43,14 @@ def kv_splits(n: int, num_heads: int, num_keys: int, device: torch.device) -> in
     return max(1, min(-(-want // programs), (num_keys - n + 1) // MIN_SPLIT_KEYS))
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
-    """Flash forward on ``[B, S, H, d]`` operands: ``(out [B, n, Hq, d] in q's dtype, lse [B, Hq, n] fp32)``."""
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                  window_left: int | None = None):
+    """torch's flash forward on ``[B, S, H, d]`` operands (``Hq`` a multiple of ``Hkv``; causal is bottom-right):
+    ``(out [B, n, Hq, d] in q's dtype, lse [B, Hq, n] fp32)``. ``window_left``: each query also sees at most that
+    many keys before its own (a torch without windows raises ``TypeError`` / ``RuntimeError``)."""
+    window = {} if window_left is None else dict(window_size_left=window_left, window_size_right=0)
     out, lse = torch.ops.aten._flash_attention_forward(q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal,
-                                                       False, scale=scale)[:2]
+                                                       False, scale=scale, **window)[:2]
     return out, lse
 
 
@@ -71,11 +75,11 @@ def flash_lower_right(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)       # [K, Hkv, d]
     split = ((K - n) // s) * s if s > 1 else 0                   # keys of the split parts; the rest >= 1 per query
     if split < s:
-        out, lse = _flash(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), True, scale)
+        out, lse = flash_forward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), True, scale)
         return _acc(out).transpose(1, 2), _acc(lse)
-    o_s, l_s = _flash(q.unsqueeze(0).expand(s, *q.shape).contiguous(), k[:split].unflatten(0, (s, split // s)),
+    o_s, l_s = flash_forward(q.unsqueeze(0).expand(s, *q.shape).contiguous(), k[:split].unflatten(0, (s, split // s)),
                       v[:split].unflatten(0, (s, split // s)), False, scale)
-    o_t, l_t = _flash(q.unsqueeze(0), k[split:].unsqueeze(0), v[split:].unsqueeze(0), True, scale)
+    o_t, l_t = flash_forward(q.unsqueeze(0), k[split:].unsqueeze(0), v[split:].unsqueeze(0), True, scale)
     l_s, l_t = _acc(l_s), _acc(l_t)
     lse = torch.logaddexp(torch.logsumexp(l_s, 0, keepdim=True), l_t)            # [1, Hq, n]
     w_s = torch.exp(l_s - lse).transpose(1, 2).unsqueeze(-1)                      # [s, n, Hq, 1]

@@ -98,11 +98,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if not q.is_cuda:
         return _sdpa(q, k, v, scale)
     cudnn = uses_cudnn(Q, S)
-    if cudnn and Q != S and _SPLIT_OK.get(q.device, True):
-        try:
-            return split_causal_attention(q, k, v, scale)
-        except RuntimeError:            # no cuDNN attention for these inputs: the fused lower-right path
-            _SPLIT_OK[q.device] = False
+    if cudnn and Q != S:
+        out = _cudnn_split(q, k, v, scale)
+        if out is not None:
+            return out
     if (not cudnn and Q < S and q.dtype in (torch.float16, torch.bfloat16)
             and kv_splits(Q, q.shape[1], S, q.device) > 1):    # a short chunk over a long history
         return flash_lower_right(q, k, v, scale)[0].to(q.dtype)
@@ -111,6 +110,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 _SPLIT_OK: dict = {}
+
+
+def _cudnn_split(q, k, v, scale) -> torch.Tensor | None:
+    """``split_causal_attention``, or None where cuDNN refuses it on this device (then, and from then on, the
+    caller takes the fused lower-right path)."""
+    if not _SPLIT_OK.get(q.device, True):
+        return None
+    try:
+        return split_causal_attention(q, k, v, scale)
+    except RuntimeError:
+        _SPLIT_OK[q.device] = False
+        return None
 
 
 def continued_cudnn_shapes(chunks, max_seq_len: int) -> list[tuple[int, int]]:
@@ -135,14 +146,9 @@ def prewarm_cudnn_plans(shapes, num_q_heads: int, num_kv_heads: int, head_dim: i
     cuDNN refuses the split, which then stays off for the device, as in ``causal_attention``)."""
     built = []
     for Q, S in shapes:
-        if not _SPLIT_OK.get(device, True):
-            break
         q = torch.zeros(1, num_q_heads, Q, head_dim, dtype=dtype, device=device)
         kv = torch.zeros(S, num_kv_heads, head_dim, dtype=dtype, device=device).transpose(0, 1).unsqueeze(0)
-        try:
-            split_causal_attention(q, kv, kv, head_dim ** -0.5)
-        except RuntimeError:
-            _SPLIT_OK[device] = False
+        if _cudnn_split(q, kv, kv, head_dim ** -0.5) is None:
             break
         built.append((Q, S))
     return built

@@ -166,6 +166,8 @@ class MacAttention(AttentionMethod):
         q_pre = self.match_query(layer, q_pre)
         if step.prefill is not None:         # a packed call: attend, seeding each segment's ring row on its K/V
             plan = step.prefill
+            if not params.enabled:           # a layer with MAC off never reads its ring: nothing to seed
+                return plan.attend(layer, query, key, value, scale)
             far: dict[int, AttentionSummary] = {}
 
             def attention(i, q, k, v):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from macattn.core.attention import expand_kv_heads
-from macattn.core.flash_split import flash_lower_right
+from macattn.core.flash_split import flash_forward, flash_lower_right
 from macattn.core.ragged import uses_cudnn
 from macattn.core.summaries import AttentionSummary, summarize
 from macattn.methods.mac.reference import rectified_summaries_reference
@@ -96,10 +96,8 @@ def band_split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     if k_near.shape[1] != query.shape[1] and not _native_gqa(query, k_near, v_near, scale):
         k_near, v_near = expand_kv_heads(k_near, query.shape[1]), expand_kv_heads(v_near, query.shape[1])
     try:
-        near_o, near_lse = torch.ops.aten._flash_attention_forward(
-            query.transpose(1, 2).contiguous(), k_near.transpose(1, 2).contiguous(),
-            v_near.transpose(1, 2).contiguous(), None, None, Q, S - lo, 0.0, True, False, scale=scale,
-            window_size_left=band - 1, window_size_right=0)[:2]
+        near_o, near_lse = flash_forward(query.transpose(1, 2).contiguous(), k_near.transpose(1, 2).contiguous(),
+                                         v_near.transpose(1, 2).contiguous(), True, scale, window_left=band - 1)
     except (RuntimeError, TypeError):
         _WINDOW_OK[query.device] = False
         return None
