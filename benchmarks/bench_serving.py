@@ -856,8 +856,9 @@ def main(argv=None) -> int:
                     rec["server"] = current.info()
                     if not args.no_warmup:
                         t1 = time.perf_counter()
+                        rec["warmup"] = warmup_load(w)
                         client_load(current.url, args.model, args, input_len=w.input_len, seed=args.seed + 1000,
-                                    **warmup_load(w))
+                                    **rec["warmup"])
                         rec["warmup_s"] = time.perf_counter() - t1
                     before = scrape_metrics(current.url)
                     if w.kind == "multiturn":

@@ -116,6 +116,15 @@ def test_workload_selection_and_variants():
     assert (ttft.num_prompts, ttft.concurrency, ttft.prefill_mix, ttft.decode_point) == (5, 1, (1, 32768), None)
 
 
+def test_the_warm_up_is_a_first_wave_of_a_throughput_workload():
+    """Every record's untimed warm-up meets the timed load's paths: a throughput workload's first wave (its
+    concurrency, at most 8 output tokens), one short request otherwise."""
+    mix, long, ttft = (serving.WORKLOADS[n] for n in ("mix_1k_64", "long_4x32k_1024", "ttft_32k"))
+    assert serving.warmup_load(mix) == dict(num_prompts=16, output_len=8, concurrency=16)
+    assert serving.warmup_load(long) == dict(num_prompts=4, output_len=8, concurrency=4)
+    assert serving.warmup_load(ttft) == dict(num_prompts=1, output_len=2, concurrency=1)
+
+
 def test_floor_for_arithmetic():
     w = serving.WORKLOADS["mix_1k_64"]            # 64 x (1K in, 64 out), 16 in flight
     rep = {"prefill": {"16x1K": {"floor_ms": 400.0}}, "decode": {"16x1024": {"step_ms": 10.0}}}
