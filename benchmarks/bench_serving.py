@@ -50,8 +50,9 @@ own ``LLM`` + server; a server is shut down (``server.should_exit``, ``llm.shutd
 before the next starts. On CUDA all decode-graph buckets are captured before the first request. Before each
 record a warm-up runs untimed (``warmup_load``): one request of the workload's prompt length, or for a throughput
 workload a first wave of ``concurrency`` of them (8 output tokens), so the paths the timed load takes (prompts
-chunked beside running decodes) have run once in this process whichever record comes first. ``--max-num-batched-tokens`` goes to
-``LLM(...)`` only when given and only if this version's ``LLM`` takes it (the JSON says which).
+chunked beside running decodes) have run once in this process whichever record comes first.
+``--max-num-batched-tokens`` goes to ``LLM(...)`` only when given and only if this version's ``LLM`` takes it (the
+JSON says which).
 
 ``--guidellm EXE`` also runs guidellm (its ``concurrent`` profile at the workload's concurrency, the workload's
 request count and prompt / output lengths, ``/v1/completions``) against each throughput workload's server right
@@ -540,7 +541,8 @@ def warmup_load(w: Workload) -> dict:
     """The untimed warm-up before a record: ``num_prompts`` / ``output_len`` / ``concurrency`` of a first wave of
     the workload (one short request for a TTFT or multi-turn workload). Lazy first-call costs — kernel and plan
     builds of the shapes only a loaded step meets — are paid once per process, so without the wave the first record
-    of a process paid them in its timed load (an A/B's first variant measured slower: ``benchmarks/notes/serving.md``)."""
+    of a process paid them in its timed load (an A/B's first variant measured slower:
+    ``benchmarks/notes/serving.md``)."""
     if w.kind != "throughput":
         return dict(num_prompts=1, output_len=2, concurrency=1)
     return dict(num_prompts=w.concurrency, output_len=min(w.output_len, 8), concurrency=w.concurrency)

@@ -77,8 +77,9 @@ def flash_lower_right(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if split < s:
         out, lse = flash_forward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), True, scale)
         return _acc(out).transpose(1, 2), _acc(lse)
-    o_s, l_s = flash_forward(q.unsqueeze(0).expand(s, *q.shape).contiguous(), k[:split].unflatten(0, (s, split // s)),
-                      v[:split].unflatten(0, (s, split // s)), False, scale)
+    o_s, l_s = flash_forward(q.unsqueeze(0).expand(s, *q.shape).contiguous(),
+                             k[:split].unflatten(0, (s, split // s)), v[:split].unflatten(0, (s, split // s)),
+                             False, scale)
     o_t, l_t = flash_forward(q.unsqueeze(0), k[split:].unsqueeze(0), v[split:].unsqueeze(0), True, scale)
     l_s, l_t = _acc(l_s), _acc(l_t)
     lse = torch.logaddexp(torch.logsumexp(l_s, 0, keepdim=True), l_t)            # [1, Hq, n]
