@@ -20,6 +20,8 @@ beside the floor of the same device and software.
   timed as replays; attention runs eagerly, enough calls back to back between two CUDA events for
   >= 2 ms (median of ``--reps`` after ``--warmup``), per call x the layer count; the kernels a backend
   launched are read from the profiler (``kernels``), so a backend that silently dispatched elsewhere shows.
+  The best backend is timed once more on token-major storage (``token_major``: the layout the engine's packed
+  prefill passes), which shows what the engine's layout costs against the floor's contiguous operands.
 * **Chunked-prefill probe**: the query chunk ``[1, Hq, Q, d]`` at offset ``C - Q`` over all ``C`` keys
   with ``torch.nn.attention.bias.causal_lower_right(Q, C)`` (what the engine runs for a chunk after
   earlier ones; default Q = 8K, C = 32K), per backend, against the chunk's share of a whole ``C``-token
@@ -295,8 +297,10 @@ def _time_backend(backend: str, q, k, v, *, layers: int, reps: int, warmup: int,
 def attention_floor(shapes: FloorShapes, batch: int, seq: int, *, dtype: torch.dtype, device: torch.device,
                     reps: int, warmup: int, backends=None) -> dict:
     """Causal GQA attention of ``batch`` prompts of ``seq`` tokens (q ``[B, Hq, S, d]``, k / v
-    ``[B, Hkv, S, d]``, ``dtype``), every SDPA backend of ``backends`` (``_time_backend``). Returns per
-    backend its figures (or error) and ``best`` / ``best_ms`` (all layers: per call x layer count)."""
+    ``[B, Hkv, S, d]``, ``dtype``, contiguous), every SDPA backend of ``backends`` (``_time_backend``). Returns
+    per backend its figures (or error) and ``best`` / ``best_ms`` (all layers: per call x layer count), and
+    ``token_major``: the best backend again on the same values stored token-major (``[B, S, H, d]`` memory
+    viewed as ``[B, H, S, d]``, the layout the engine's packed prefill hands it), which the floor does not take."""
     g = torch.Generator(device=device).manual_seed(1)
     mk = lambda h: torch.randn(batch, h, seq, shapes.head_dim, generator=g, device=device, dtype=dtype)  # noqa: E731
     q, k, v = mk(shapes.q_heads), mk(shapes.kv_heads), mk(shapes.kv_heads)
@@ -306,11 +310,14 @@ def attention_floor(shapes: FloorShapes, batch: int, seq: int, *, dtype: torch.d
         for be in _backends(device, backends):
             out["backends"][be] = _time_backend(be, q, k, v, layers=shapes.layers, reps=reps, warmup=warmup,
                                                 device=device, is_causal=True)
+        if _pick_best(out):
+            out["tflops_per_s"] = out["flops"] / (out["best_ms"] * 1e-3) / 1e12
+            q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+            out["token_major"] = {"backend": out["best"], **_time_backend(
+                out["best"], q, k, v, layers=shapes.layers, reps=reps, warmup=warmup, device=device, is_causal=True)}
     finally:
         del q, k, v
         _release(device)
-    if _pick_best(out):
-        out["tflops_per_s"] = out["flops"] / (out["best_ms"] * 1e-3) / 1e12
     return out
 
 
@@ -521,6 +528,10 @@ def format_table(report: dict) -> str:
         lines.append(f"{name:>7} {_fmt(g.get('total_ms')):>9} {_fmt(g.get('tflops_per_s'), '.0f'):>8} "
                      + " ".join(cells) + f" {str(a.get('best', '-')).split('_')[0].lower():>10} "
                      f"{_fmt(r.get('floor_ms')):>9} {_fmt(r.get('tokens_per_s'), '.0f'):>9}")
+        tm = a.get("token_major", {})
+        if "ms" in tm:
+            lines.append(f"{'':>7} the best backend on token-major operands (the engine's layout): {_fmt(tm['ms'])} ms "
+                         f"({_fmt(tm['ms'] / a['best_ms'])}x the contiguous call)")
     cp = report.get("chunk_probe")
     if cp:
         lines.append(f"chunk probe: {cp['chunk']} queries at offset {cp.get('offset')} over {cp['context']} keys "

@@ -60,6 +60,8 @@ def test_prefill_floor_dry_run(tmp_path):
         assert rec["floor_ms"] > 0 and rec["gemm"]["total_ms"] > 0
         ran = {b: r for b, r in rec["attention"]["backends"].items() if "ms" in r}
         assert ran and rec["attention"]["best"] in ran          # what ran on the CPU is recorded
+        tm = rec["attention"]["token_major"]                    # the best backend on the engine's layout
+        assert tm["backend"] == rec["attention"]["best"] and tm["ms"] > 0
     assert rep["chunk_probe"]["best_ms"] > 0 and 0 < rep["chunk_probe"]["share_fraction"] < 1
     assert all(r["step_ms"] > 0 for r in rep["decode"].values())
 
