@@ -60,7 +60,9 @@ after this benchmark's own client, and puts guidellm's summary in the record (it
 ``guidellm_<workload>/``). On ``llama8b-random`` guidellm's synthetic words map to varied ids (``guidellm_words``).
 
 Reported: TTFT, inter-token latency (ITL: gaps between streamed chunks after the first), end-to-end
-latency (p50 / p99 / mean), request and output-token throughput, the floor and the ratios; JSON (device and
+latency (p50 / p99 / mean), request and output-token throughput, the floor and the ratios; the server's own
+means of TTFT, per-request ITL and latency over the same requests (``server``; for guidellm's run too), so what a
+client adds shows; JSON (device and
 UUID, versions, every figure; rewritten after every record) in ``benchmarks/results/bench_serving_<gpu>.json``
 or ``--out``, and a table.
 """
@@ -248,11 +250,18 @@ def close_client() -> None:
         _CLIENT = None
 
 
+SERVER_MEANS = {"server_ttft_mean_s": "macattn_time_to_first_token_seconds",
+                "server_itl_mean_s": "macattn_inter_token_latency_seconds",
+                "server_e2e_mean_s": "macattn_e2e_request_latency_seconds"}
+"""Per-request latencies as the server measured them (its histograms), reported per record beside the client's."""
+
+
 def scrape_metrics(url: str) -> dict[str, float]:
-    """The server's Prometheus counters this benchmark reads (``/metrics``): MAC hit rate and KV skip
-    histograms' ``_sum`` / ``_count`` (per-request ``RequestOutput.metrics``) and generated tokens."""
-    keys = ("macattn_mac_hit_rate_sum", "macattn_mac_hit_rate_count", "macattn_mac_kv_skip_sum",
-            "macattn_mac_kv_skip_count", "macattn_generated_tokens_total")
+    """The server's Prometheus series this benchmark reads (``/metrics``): the ``_sum`` / ``_count`` of the MAC hit
+    rate and KV skip histograms (per-request ``RequestOutput.metrics``) and of ``SERVER_MEANS``' latency
+    histograms, and generated tokens."""
+    hists = ("macattn_mac_hit_rate", "macattn_mac_kv_skip", *SERVER_MEANS.values())
+    keys = {f"{h}_{part}" for h in hists for part in ("sum", "count")} | {"macattn_generated_tokens_total"}
     from run_clients import metrics_text
 
     out = {}
@@ -263,14 +272,23 @@ def scrape_metrics(url: str) -> dict[str, float]:
     return out
 
 
+def _mean_between(before: dict, after: dict, name: str) -> tuple[float | None, int]:
+    """Mean of histogram ``name`` over the observations between two scrapes, and their count."""
+    n = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+    return ((after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)) / n if n > 0 else None), int(n)
+
+
 def hit_rate_between(before: dict, after: dict) -> dict:
     """Mean per-request MAC hit rate and KV skip of the requests that finished between two scrapes."""
-    def mean(name):
-        n = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
-        return ((after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)) / n if n > 0 else None), int(n)
-    hit, n = mean("macattn_mac_hit_rate")
-    skip, _ = mean("macattn_mac_kv_skip")
+    hit, n = _mean_between(before, after, "macattn_mac_hit_rate")
+    skip, _ = _mean_between(before, after, "macattn_mac_kv_skip")
     return {"measured_hit_rate": hit, "measured_kv_skip": skip, "requests_with_mac_metrics": n}
+
+
+def server_means_between(before: dict, after: dict) -> dict:
+    """``SERVER_MEANS`` over the requests that finished between two scrapes (None where none did): what the
+    server measured, so a client's own overhead shows as the difference from the client's figures."""
+    return {key: _mean_between(before, after, name)[0] for key, name in SERVER_MEANS.items()}
 
 
 # --- workloads ------------------------------------------------------------------------------------
@@ -681,13 +699,14 @@ def _f(v, spec=".2f") -> str:
     return format(v, spec) if isinstance(v, (int, float)) else "-"
 
 
-def print_summary(res: dict) -> None:
-    """Today's per-run lines: TTFT / ITL / e2e p50, p99, mean; requests and output tok/s."""
-    print(f"{'metric':<26} {'p50':>10} {'p99':>10} {'mean':>10}")
-    for key in ("ttft_s", "itl_s", "e2e_s"):
-        s = res[key]
+def print_summary(res: dict, server: dict | None = None) -> None:
+    """Today's per-run lines: TTFT / ITL / e2e p50, p99, mean (and the server's own means, ``server_means_between``,
+    where given); requests and output tok/s."""
+    print(f"{'metric':<26} {'p50':>10} {'p99':>10} {'mean':>10} {'server mean':>12}")
+    for key, skey in (("ttft_s", "server_ttft_mean_s"), ("itl_s", "server_itl_mean_s"), ("e2e_s", "server_e2e_mean_s")):
+        s, sv = res[key], (server or {}).get(skey)
         print(f"{key:<26} " + " ".join(f"{(v * 1e3 if v is not None else float('nan')):>8.1f}ms"
-                                      for v in (s["p50"], s["p99"], s["mean"])))
+                                      for v in (s["p50"], s["p99"], s["mean"], sv)))
     print(f"requests {res['requests']} in {res['duration_s']:.1f} s: {res['request_throughput_per_s']:.2f} req/s, "
           f"{res['output_token_throughput_per_s']:.1f} output tok/s")
 
@@ -802,10 +821,11 @@ def main(argv=None) -> int:
             else:
                 res = client_load(args.url, args.model, args, num_prompts=w.num_prompts, input_len=w.input_len,
                                   output_len=w.output_len, concurrency=w.concurrency)
-            rec.update(hit_rate_between(before, scrape_metrics(args.url)))
+            after = scrape_metrics(args.url)
+            rec.update(hit_rate_between(before, after), server=server_means_between(before, after))
             rec.update(results=res, floor=floor_for(w, None), ratios=ratios(res, {}))
             report["records"].append(rec)
-            print_summary(res)
+            print_summary(res, rec["server"])
             save()
         close_client()
         print(format_records(report["records"]))
@@ -872,18 +892,20 @@ def main(argv=None) -> int:
                         res = client_load(current.url, args.model, args, num_prompts=w.num_prompts,
                                           input_len=w.input_len, output_len=w.output_len, concurrency=w.concurrency,
                                           seed=rec["prompt_seed"])
-                    rec.update(hit_rate_between(before, scrape_metrics(current.url)))
+                    after = scrape_metrics(current.url)
+                    rec.update(hit_rate_between(before, after), server=server_means_between(before, after))
                     if args.guidellm and w.kind == "throughput":
                         gdir = Path(out or "guidellm_out").parent / f"guidellm_{w.name}"
                         try:
                             rec["guidellm"] = run_guidellm_beside(args.guidellm, current, tok, w, gdir,
                                                                   args.guidellm_timeout)
+                            rec["guidellm"]["server"] = server_means_between(after, scrape_metrics(current.url))
                         except (OSError, ValueError, KeyError) as exc:     # recorded beside our own figures
                             rec["guidellm"] = {"error": f"{type(exc).__name__}: {exc}"}
                         print(f"guidellm: {json.dumps(rec['guidellm'], default=str)}", flush=True)
                     fl = floor_for(w, report["floor"])
                     rec.update(results=res, floor=fl, ratios=ratios(res, fl))
-                    print_summary(res)
+                    print_summary(res, rec["server"])
                     print(f"floor: prefill {fl.get('prefill_mix', '-')} {_f(fl.get('prefill_floor_ms'), '.1f')} ms "
                           f"(TTFT p50 x {_f(rec['ratios']['ttft_p50_over_prefill_floor'])}), floor output tok/s "
                           f"{_f(fl.get('floor_output_tok_per_s'), '.1f')} (measured / floor "

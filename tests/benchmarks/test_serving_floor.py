@@ -88,6 +88,17 @@ def test_serving_workloads_dry_run(tmp_path):
     assert recs[("long_4x32k_1024", "mac=on,hits=seeded90")]["method"] == "bench_mac_seeded90"
     assert recs[("long_4x32k_1024", "mac=on,hits=model")]["requests_with_mac_metrics"] > 0
     assert recs[("ttft_1k", "mac=on,hits=model")]["results"]["requests"] == 2   # --ttft-reps under --dry-run
+    server, client = mix["server"], mix["results"]      # the server's own latency means over the same requests
+    assert 0 < server["server_ttft_mean_s"] <= server["server_e2e_mean_s"] and server["server_itl_mean_s"] > 0
+    assert server["server_e2e_mean_s"] <= client["e2e_s"]["mean"]     # the client's figure includes the wire
+
+
+def test_server_means_between_two_scrapes():
+    before = {"macattn_e2e_request_latency_seconds_sum": 1.0, "macattn_e2e_request_latency_seconds_count": 2.0}
+    after = {"macattn_e2e_request_latency_seconds_sum": 4.0, "macattn_e2e_request_latency_seconds_count": 4.0,
+             "macattn_time_to_first_token_seconds_sum": 0.5, "macattn_time_to_first_token_seconds_count": 2.0}
+    assert serving.server_means_between(before, after) == {"server_ttft_mean_s": 0.25, "server_itl_mean_s": None,
+                                                           "server_e2e_mean_s": 1.5}
 
 
 def _args(**kw):
