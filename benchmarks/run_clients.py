@@ -89,12 +89,6 @@ class Server:
     def metrics(self) -> str:
         return metrics_text(self.url)
 
-
-def metrics_text(url: str) -> str:
-    """The Prometheus text of the server at ``url`` (``/metrics``)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
-        return r.read().decode()
-
     def stop(self) -> int | None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -106,10 +100,17 @@ def metrics_text(url: str) -> str:
         return self.proc.returncode
 
 
-def request_counts(metrics_text: str) -> dict[str, int]:
-    """Requests the server answered, by status (``macattn_requests_total``, summed over endpoints)."""
+def metrics_text(url: str) -> str:
+    """The Prometheus text of the server at ``url`` (``/metrics``)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        return r.read().decode()
+
+
+def request_counts(text: str) -> dict[str, int]:
+    """Requests the server answered, by status (``macattn_requests_total``, summed over endpoints), from the
+    Prometheus ``text``."""
     counts: dict[str, int] = {}
-    for line in metrics_text.splitlines():
+    for line in text.splitlines():
         m = re.match(r'macattn_requests_total\{endpoint="([^"]*)",status="(\d+)"\} ([0-9.e+]+)', line)
         if m:
             counts[m.group(2)] = counts.get(m.group(2), 0) + int(float(m.group(3)))

@@ -135,6 +135,17 @@ def _runner():
 _CLIENTS = _runner().find_clients(None)
 
 
+def test_the_runner_serves_and_stops_its_server(tmp_path):
+    """``run_clients.Server`` (what the guidellm and lm-eval runs talk to) answers ``/metrics`` and ``stop`` ends
+    its ``macattn serve`` process with SIGTERM: nothing is left behind."""
+    srv = _runner().Server(tmp_path / "server.log")
+    try:
+        assert "macattn_requests" in srv.metrics()
+    finally:
+        code = srv.stop()
+    assert code is not None and srv.proc.poll() is not None
+
+
 def _run_clients(tmp_path, only: str) -> dict:
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_clients.py"), "--only", only, "--out",
                           str(tmp_path), "--requests", "4"], capture_output=True, text=True, timeout=3000, cwd=ROOT)
