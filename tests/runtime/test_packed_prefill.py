@@ -14,6 +14,7 @@ from macattn.runtime.sequence import PrefillChunk
 
 from _tiny import MAC, prompts, tiny_model
 from test_every_method import _exact_engine
+from test_prefix_cache import _ring_after_prefill
 
 FAMILIES = ("llama", "qwen2", "mistral")
 
@@ -208,14 +209,12 @@ def test_the_chunk_quantum_rule_and_its_validation():
 
 
 def _rings_after_prefill(mac_config, prompt: torch.Tensor) -> list[list[torch.Tensor]]:
-    """Per layer the ring rows (q, o, lse, pos) of ``prompt``'s request right after its packed prefill."""
+    """Per layer the ring rows (q, o, lse, pos) of ``prompt``'s request right after its packed prefill
+    (``test_prefix_cache._ring_after_prefill``'s rows, which run tensor by tensor, each over the layers)."""
     eng = LLMEngine(tiny_model("llama", seed=4), mac_config, RuntimeConfig(max_batch_size=1, max_seq_len=128))
-    seq = eng.requests[eng.add_request(prompt, max_new_tokens=3)]
-    while not seq.output:
-        eng.step()
-    st = eng.mac_state
-    return [[t[layer][seq.slot].clone() for t in (st.qring, st.oring, st.ring_lse, st.ring_pos)]
-            for layer in range(st.num_layers)]
+    rows, _ = _ring_after_prefill(eng, prompt)
+    layers = eng.mac_state.num_layers
+    return [rows[layer::layers] for layer in range(layers)]
 
 
 def test_a_layer_with_mac_off_seeds_no_ring():
