@@ -143,11 +143,13 @@ def main(argv=None) -> int:
 def merge(runs: list[dict]) -> dict:
     """One report from runs of the same lengths, selectors and samples over disjoint budgets: their gates, rows
     and per-(length, selector) methods together; ``settings.budgets`` all of theirs; ``seconds`` the longest run's
-    (they ran side by side); ``merged_from`` each run's settings. Full attention is the same in every run (the
-    same prompts and model): the first run's is kept, and a differing one is refused."""
+    (they ran side by side); ``merged_from`` each run's settings and GPU, ``gpu`` the GPUs of all. Full attention
+    is the same in every run (the same prompts and model): the first run's is kept, and a differing one is refused."""
     first = runs[0]
-    out = {**first, "gates": {}, "rows": [], "raw": {}, "merged_from": [r["settings"] for r in runs],
-           "seconds": max(r["seconds"] for r in runs)}
+    gpus = sorted({r["gpu"] for r in runs if r.get("gpu")})
+    out = {**first, "gates": {}, "rows": [], "raw": {}, "merged_from": [{**r["settings"], "gpu": r.get("gpu")}
+                                                                        for r in runs],
+           "gpu": ", ".join(gpus) or None, "seconds": max(r["seconds"] for r in runs)}
     out["settings"] = {**first["settings"], "budgets": sorted(b for r in runs for b in r["settings"]["budgets"]),
                        "selectors": sorted({sel for r in runs for sel in r["settings"]["selectors"]})}
     for r in runs:
