@@ -61,7 +61,7 @@ after this benchmark's own client, and puts guidellm's summary in the record (it
 
 Reported: TTFT, inter-token latency (ITL: gaps between streamed chunks after the first), end-to-end
 latency (p50 / p99 / mean), request and output-token throughput, the floor and the ratios; the server's own
-means of TTFT, per-request ITL and latency over the same requests (``server``; for guidellm's run too), so what a
+means of TTFT, per-request ITL and latency over the same requests (``server_means``; for guidellm's run too), so what a
 client adds shows; JSON (device and
 UUID, versions, every figure; rewritten after every record) in ``benchmarks/results/bench_serving_<gpu>.json``
 or ``--out``, and a table.
@@ -822,10 +822,10 @@ def main(argv=None) -> int:
                 res = client_load(args.url, args.model, args, num_prompts=w.num_prompts, input_len=w.input_len,
                                   output_len=w.output_len, concurrency=w.concurrency)
             after = scrape_metrics(args.url)
-            rec.update(hit_rate_between(before, after), server=server_means_between(before, after))
+            rec.update(hit_rate_between(before, after), server_means=server_means_between(before, after))
             rec.update(results=res, floor=floor_for(w, None), ratios=ratios(res, {}))
             report["records"].append(rec)
-            print_summary(res, rec["server"])
+            print_summary(res, rec["server_means"])
             save()
         close_client()
         print(format_records(report["records"]))
@@ -893,19 +893,19 @@ def main(argv=None) -> int:
                                           input_len=w.input_len, output_len=w.output_len, concurrency=w.concurrency,
                                           seed=rec["prompt_seed"])
                     after = scrape_metrics(current.url)
-                    rec.update(hit_rate_between(before, after), server=server_means_between(before, after))
+                    rec.update(hit_rate_between(before, after), server_means=server_means_between(before, after))
                     if args.guidellm and w.kind == "throughput":
                         gdir = Path(out or "guidellm_out").parent / f"guidellm_{w.name}"
                         try:
                             rec["guidellm"] = run_guidellm_beside(args.guidellm, current, tok, w, gdir,
                                                                   args.guidellm_timeout)
-                            rec["guidellm"]["server"] = server_means_between(after, scrape_metrics(current.url))
+                            rec["guidellm"]["server_means"] = server_means_between(after, scrape_metrics(current.url))
                         except (OSError, ValueError, KeyError) as exc:     # recorded beside our own figures
                             rec["guidellm"] = {"error": f"{type(exc).__name__}: {exc}"}
                         print(f"guidellm: {json.dumps(rec['guidellm'], default=str)}", flush=True)
                     fl = floor_for(w, report["floor"])
                     rec.update(results=res, floor=fl, ratios=ratios(res, fl))
-                    print_summary(res, rec["server"])
+                    print_summary(res, rec["server_means"])
                     print(f"floor: prefill {fl.get('prefill_mix', '-')} {_f(fl.get('prefill_floor_ms'), '.1f')} ms "
                           f"(TTFT p50 x {_f(rec['ratios']['ttft_p50_over_prefill_floor'])}), floor output tok/s "
                           f"{_f(fl.get('floor_output_tok_per_s'), '.1f')} (measured / floor "

@@ -88,7 +88,8 @@ def test_serving_workloads_dry_run(tmp_path):
     assert recs[("long_4x32k_1024", "mac=on,hits=seeded90")]["method"] == "bench_mac_seeded90"
     assert recs[("long_4x32k_1024", "mac=on,hits=model")]["requests_with_mac_metrics"] > 0
     assert recs[("ttft_1k", "mac=on,hits=model")]["results"]["requests"] == 2   # --ttft-reps under --dry-run
-    server, client = mix["server"], mix["results"]      # the server's own latency means over the same requests
+    assert mix["server"]["method"] == "mac"             # the server's description stays beside its means
+    server, client = mix["server_means"], mix["results"]    # the server's own latency means, same requests
     assert 0 < server["server_ttft_mean_s"] <= server["server_e2e_mean_s"] and server["server_itl_mean_s"] > 0
     assert server["server_e2e_mean_s"] <= client["e2e_s"]["mean"]     # the client's figure includes the wire
 
