@@ -495,7 +495,7 @@ def load_model(name: str, device: str, words: tuple[str, ...] = ()):
 
 def engine_options(args) -> tuple[dict, dict]:
     """``LLM`` keyword arguments beyond the defaults, and what the JSON says about them: each engine option
-    of the CLI (``--max-num-batched-tokens``, ``--prefill-chunk``) is passed only when given and only when
+    of the CLI (``--max-num-batched-tokens``, ``--prefill-chunk``, ``--async-scheduling``) is passed only when given and only when
     this version's ``LLM.__init__`` takes it (the token budget is newer than the prefill chunk, which it
     replaces); one given but not taken is reported and warned about, not passed."""
     from macattn.apps.llm import LLM
@@ -510,7 +510,7 @@ def engine_options(args) -> tuple[dict, dict]:
     except ImportError:
         pass
     kw, info = {}, {}
-    for name in ("max_num_batched_tokens", "prefill_chunk"):
+    for name in ("max_num_batched_tokens", "prefill_chunk", "async_scheduling"):
         value = getattr(args, name)
         info[name] = value
         info[f"llm_takes_{name}"] = name in params
@@ -778,6 +778,9 @@ def main(argv=None) -> int:
                     help="LLM(prefill_chunk=...) of versions before the token budget; passed only when given and taken")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="LLM(max_num_batched_tokens=...), passed only when given and when this LLM takes it")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="LLM(async_scheduling=...): each step launched before the previous step's tokens are read "
+                         "(default: the engine's, on for CUDA); passed only when given and taken")
     ap.add_argument("--no-floor", action="store_true", help="skip the floor measurement")
     ap.add_argument("--floor-reps", type=int, default=None, help="timed reps per floor figure (default 5; dry 2)")
     ap.add_argument("--no-warmup", action="store_true", help="no untimed warm-up request before each record")

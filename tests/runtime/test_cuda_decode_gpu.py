@@ -14,6 +14,8 @@ and their logits can be compared step by step:
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -30,8 +32,9 @@ pytest.importorskip("triton")
 class ForcedEngine(LLMEngine):
     """Records each request's logits per step and appends the scripted token instead of sampling."""
 
-    def __init__(self, *a, script: dict[int, list[int]], **kw):
-        super().__init__(*a, **kw)
+    def __init__(self, model, mac, config: RuntimeConfig, *, script: dict[int, list[int]], **kw):
+        # serial steps: the scripted token is fed from the host (async scheduling feeds the sampled one)
+        super().__init__(model, mac, replace(config, async_scheduling=False), **kw)
         self.script, self.logits, self.names = script, {}, {}
 
     def add(self, name: int, prompt: torch.Tensor, new_tokens: int) -> None:

@@ -28,9 +28,10 @@ class _PagedFull(FullAttention):
         return PagedReference(geometry, rows)
 
 
-def _engine(kind: str, *, slots: int = 3, budget: int | None = 11) -> LLMEngine:
+def _engine(kind: str, *, slots: int = 3, budget: int | None = 11, overlap: bool = False) -> LLMEngine:
     model = tiny_model("llama", seed=6)
-    rc = RuntimeConfig(max_batch_size=slots, max_seq_len=128, num_blocks=64, max_num_batched_tokens=budget)
+    rc = RuntimeConfig(max_batch_size=slots, max_seq_len=128, num_blocks=64, max_num_batched_tokens=budget,
+                       async_scheduling=overlap)
     if kind == "mac":
         return LLMEngine(model, MAC, rc)
     dims = ModelDims.of(model)
@@ -87,12 +88,15 @@ def _check_against_reference(eng, ids, steps, ps, params):
             assert out[-1] in sp.stop_token_ids and len(out) >= sp.min_tokens
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "async"])
 @pytest.mark.parametrize("kind", ["cpu", "bucketed", "mac"])
-def test_every_request_equals_the_per_request_reference(kind):
+def test_every_request_equals_the_per_request_reference(kind, overlap):
+    """Serially and with async scheduling (each step launched before the previous step's tokens are read; the
+    bucketed decoder then takes pending tokens from the device, ``TokenFeed``)."""
     rng = random.Random(11)
     ps = prompts(9, seed=17, lo=12, hi=30)
     params = [_params(rng, i) for i in range(9)]
-    eng = _engine(kind)
+    eng = _engine(kind, overlap=overlap)
     variants = []
     if kind == "bucketed":
         dec = eng.executor.decoder

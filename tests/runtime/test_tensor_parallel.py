@@ -48,14 +48,14 @@ def _prompts():
 def _start_recording(executor) -> None:
     """On one rank: keep every decode step's MAC match positions (``layer -> [B, Hq / N]``)."""
     log = executor.match_log = []
-    inner = executor.decode_step
+    inner = executor.decode_tokens       # every decode step's call (``decode_step`` calls it too)
 
-    def recording(seqs):
-        out = inner(seqs)
+    def recording(seqs, feed=None):
+        out = inner(seqs, feed)
         log.append({layer: mp.clone() for layer, mp in executor.method.last_match_pos.items()})
         return out
 
-    executor.decode_step = recording
+    executor.decode_tokens = recording
 
 
 @rank_function

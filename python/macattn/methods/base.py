@@ -329,8 +329,8 @@ class AttentionMethod:
         the method's state; padding rows have ``plans.rows.valid == 0``. Default: nothing."""
 
     def decode_step_done(self, plans: DecodePlans | None, batch_size: int) -> None:
-        """Host-side, after a GPU decode step of the bucket of ``plans`` ran (replayed or eager), its
-        tokens were read back and ``decoded`` ran: the step's requests are the first ``batch_size``
+        """Host-side, after a GPU decode step of the bucket of ``plans`` was launched (replayed or eager; its
+        tokens are not read back yet) and ``decoded`` ran: the step's requests are the first ``batch_size``
         rows. Views of the plans' buffers, no device reads. Default: nothing."""
 
     # --- optional whole-request hooks ---------------------------------------------------------

@@ -77,6 +77,12 @@ class RuntimeConfig:
         ``True`` where it is not supported raises ``ValueError`` naming the method. Requests that build their KV
         their own way (A3's chunked prompts, prefix-store loads) and requests asking for ``prompt_logprobs`` (every
         position's logits) prefill their whole prompt.
+    async_scheduling: launch each engine step before reading the previous step's sampled tokens, so the host's
+        work between steps (updating requests, streaming, scheduling, staging inputs) runs while the GPU computes
+        (vLLM's ``async_scheduling``, SGLang's overlap scheduler; ``runtime/in_flight.py``): ``LLMEngine.step``
+        returns the previous step's outputs. Outputs equal the serial loop's. ``None`` = on exactly on CUDA
+        without tensor parallelism (whose workers take each step's tokens from the host); ``True`` under tensor
+        parallelism raises ``ValueError``.
     """
 
     max_batch_size: int = 8
@@ -92,6 +98,7 @@ class RuntimeConfig:
     tensor_parallel_size: int = 1
     tp_timeout_s: float = 120.0
     enable_prefix_caching: bool | None = None
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _positive_int("max_batch_size", self.max_batch_size)
@@ -112,8 +119,13 @@ class RuntimeConfig:
         check_float("tp_timeout_s", self.tp_timeout_s, 0.0, lo_open=True)
         for name in ("use_cuda_graphs", "fused_weights"):
             check_bool(name, getattr(self, name))
-        if self.enable_prefix_caching is not None:
-            check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        for name in ("enable_prefix_caching", "async_scheduling"):
+            if getattr(self, name) is not None:
+                check_bool(name, getattr(self, name))
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(f"async_scheduling=True is not available with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (the workers take each step's tokens from the host); pass "
+                             "False or None")
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         if self.quantization is not None and not self.fused_weights:
             raise ValueError(f"quantization={self.quantization!r} needs fused_weights=True (the fused forward "
@@ -146,5 +158,8 @@ class RuntimeConfig:
                 prefill = max(DEFAULT_CUDA_PREFILL_TOKENS, budget)
         if prefill is None:
             prefill = budget
+        overlap = self.async_scheduling
+        if overlap is None:
+            overlap = torch.device(self.device).type == "cuda" and self.tensor_parallel_size == 1
         return replace(self, max_seq_len=max_seq_len, num_blocks=num_blocks, max_num_batched_tokens=budget,
-                       max_prefill_tokens=prefill)
+                       max_prefill_tokens=prefill, async_scheduling=overlap)

@@ -33,6 +33,7 @@ from typing import Hashable
 import torch
 
 from macattn.methods.base import DecodeGeometry, DecodePlans, DecodeRows
+from macattn.runtime.in_flight import TokenFeed
 from macattn.runtime.kv_cache import PagedWriteView
 from macattn.runtime.sampling import PAD_ROW, SamplerVariant, SamplingBatch, sample_tokens
 from macattn.runtime.step_inputs import StepInputs
@@ -173,9 +174,10 @@ class CudaDecoder:
         slot, block and position 0. A page-table row is rewritten only when its request or block
         count changed."""
         ex, h = self.ex, b.inputs.host
+        b.inputs.wait_copied()
         n, bs = len(seqs), ex.config.block_size
         m = [s.num_tokens - 1 for s in seqs]
-        h["ids"][:n, 0] = [s.output[-1] for s in seqs]
+        h["ids"][:n, 0] = [0 if s.num_pending else s.output[-1] for s in seqs]   # pending: ``TokenFeed.write``
         h["ids"][n:] = 0
         h["positions"][:n] = m
         h["positions"][n:] = 0
@@ -184,7 +186,7 @@ class CudaDecoder:
         h["valid"][:n] = 1.0
         h["valid"][n:] = 0.0
         rows = ex.sampling_rows(seqs) + [PAD_ROW] * (b.nb - n)
-        keys = [(s.request_id, len(s.output) < s.sampling.min_tokens) for s in seqs] + [None] * (b.nb - n)
+        keys = [(s.request_id, s.num_generated < s.sampling.min_tokens) for s in seqs] + [None] * (b.nb - n)
         b.inputs.write_sampling(rows, keys)
         if self.paged_kv:
             h["write_rows"][:n] = [s.block_table[x // bs] * bs + x % bs for s, x in zip(seqs, m)]
@@ -225,15 +227,19 @@ class CudaDecoder:
         return SamplerVariant.of([s.sampling for s in seqs]), self.ex.method.decode_graph_key()
 
     @torch.inference_mode()
-    def step(self, seqs) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(next tokens [B] int64 on the CPU, logits [B, V])`` of each request's token at
-        ``m = num_tokens - 1``; writes its K/V (and the method its per-request state)."""
+    def step(self, seqs, feed: TokenFeed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(next tokens [B] int64 on the device, logits [B, V])`` of each request's token at
+        ``m = num_tokens - 1``; writes its K/V (and the method its per-request state). Nothing is read back:
+        the caller reads the tokens. ``feed``: the step in flight's tokens, for the requests whose last
+        token is pending."""
         ex = self.ex
         B = len(seqs)
         method = ex.method
         key = self.step_key(seqs)
         b = self._bucket(self.bucket_size(B), key)
         self._write_inputs(b, seqs)
+        if feed is not None:
+            feed.write(b.ids, seqs)
         if self.use_cuda_graphs:
             b.graphs[key].replay()
             tokens, logits = b.outputs[key]
@@ -241,7 +247,7 @@ class CudaDecoder:
         else:
             tokens, logits = self._forward(b, *key)
             logits = logits[:B]
-        tokens = tokens[:B].cpu()
+        tokens = tokens[:B].clone()         # the static output is rewritten by the bucket's next replay
         method.decoded([s.slot for s in seqs], [s.num_tokens - 1 for s in seqs])
         method.decode_step_done(b.plans, B)
         return tokens, logits

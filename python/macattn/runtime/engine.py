@@ -24,6 +24,7 @@ from macattn.methods.registry import method_class
 
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.executor import ModelExecutor
+from macattn.runtime.in_flight import InFlightStep
 from macattn.runtime.prefix_cache import PrefixCacheStats
 from macattn.runtime.sampling import MAX_SEED, SamplingConfig
 from macattn.runtime.scheduler import ScheduledStep, Scheduler
@@ -158,6 +159,7 @@ class LLMEngine:
                                    chunk_quantum=self.executor.chunk_quantum)
         self.vocab_size = model.config.vocab_size
         self.requests: dict[int, Sequence] = {}
+        self._in_flight: InFlightStep | None = None      # async scheduling: the step launched, tokens not read
 
     def _finished(self, seq: Sequence) -> None:
         """A running request's figures as it ends: the method's (read before its slot is reset) and, with prefix
@@ -313,7 +315,8 @@ class LLMEngine:
         return StepOutput(seq.request_id, None, True, "error", error=f"{type(exc).__name__}: {exc}")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a request waits, runs, or has a step in flight whose outputs ``step`` has not returned."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def pop_finished(self, request_id: int) -> Sequence:
         seq = self.requests.pop(request_id)
@@ -323,30 +326,60 @@ class LLMEngine:
         return seq
 
     # --- one step -------------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether ``step`` launches a step before reading the one before (``RuntimeConfig.async_scheduling``)."""
+        return self.config.async_scheduling
+
+    def step(self, *, sync: bool = False) -> list[StepOutput]:
         """One step: schedule (``Scheduler.schedule``: decodes, then prompt chunks up to
-        ``RuntimeConfig.max_num_batched_tokens``), execute (the decode batch, then the prompt chunks packed
-        into one model call), update (append or finish). A request's first token comes with its prompt's
-        last chunk. Returns one ``StepOutput`` per request that produced a token or finished."""
-        return self.execute(self.scheduler.schedule())
+        ``RuntimeConfig.max_num_batched_tokens``), launch (the decode batch, then the prompt chunks packed
+        into one model call, sampled on the device), read the tokens and update (append or finish). A request's
+        first token comes with its prompt's last chunk. Returns one ``StepOutput`` per request that produced a
+        token or finished.
+
+        With async scheduling (``runtime/in_flight.py``) the step is launched before the previous step's tokens
+        are read, and the outputs returned are the previous step's (the last step's come with the next call,
+        while ``has_unfinished``). ``sync``: read the step in flight first and run this one serially (a caller
+        that must see every token before the next step is scheduled, e.g. bad words spanning tokens)."""
+        if not self.async_scheduling or sync:
+            return self._read(self._take_in_flight()) + self.execute(self.scheduler.schedule())
+        scheduled = self.scheduler.schedule()
+        launched = self._launch(scheduled) if scheduled else None
+        outputs = self._read(self._take_in_flight())
+        self._in_flight = launched
+        return outputs
 
     def execute(self, scheduled: ScheduledStep) -> list[StepOutput]:
         """Run one scheduled step (``Scheduler.schedule``'s) and update its requests (``step`` less the
-        scheduling)."""
-        outputs: list[StepOutput] = []
+        scheduling; serially: its tokens are read before it returns)."""
+        return self._read(self._launch(scheduled))
+
+    def _take_in_flight(self) -> InFlightStep | None:
+        step, self._in_flight = self._in_flight, None
+        return step
+
+    def _launch(self, scheduled: ScheduledStep) -> InFlightStep:
+        """Run ``scheduled``'s model calls and sampling without reading the tokens back; every sampled request
+        gets a pending token. A failed call ends its requests at once (``InFlightStep.early``)."""
+        early: list[StepOutput] = []
+        sampled: list[tuple[Sequence, torch.Tensor]] = []
+        tokens: list[torch.Tensor] = []
+        feed = None if self._in_flight is None else self._in_flight.feed()
         if scheduled.decodes:
             batch = list(scheduled.decodes)
             try:
-                tokens, logits = self.executor.decode_step(batch)
+                got, logits = self.executor.decode_tokens(batch, feed)
             except Exception as exc:   # noqa: BLE001 - the batch's call failed: its requests end, the prefills go on
-                outputs += [self.fail(seq, exc) for seq in batch]
+                early += [self.fail(seq, exc) for seq in batch]
             else:
-                outputs += [self._append_or_fail(seq, token, row) for seq, token, row in zip(batch, tokens, logits)]
+                sampled += zip(batch, logits)
+                tokens.append(got)
         if scheduled.prefills:
             try:
                 rows = self.executor.prefill_chunks(list(scheduled.prefills))
             except Exception as exc:   # noqa: BLE001 - the running requests go on; the prefills: _prefill_alone
-                rows = self._prefill_alone(list(scheduled.prefills), exc, outputs)
+                rows = self._prefill_alone(list(scheduled.prefills), exc, early)
             for c in scheduled.prefills:
                 self.scheduler.commit(c)
             done = []
@@ -355,14 +388,31 @@ class LLMEngine:
                     try:
                         done += [(c.seq, row)] + [(f, row) for f in self.scheduler.fork(c.seq, self.executor.fork_kv)]
                     except Exception as exc:   # noqa: BLE001
-                        outputs.append(self.fail(c.seq, exc))
+                        early.append(self.fail(c.seq, exc))
             if done:
                 logits = torch.stack([row for _, row in done])
                 try:
-                    tokens = self.executor.sample([seq for seq, _ in done], logits)
+                    tokens.append(self.executor.sample_on_device([seq for seq, _ in done], logits))
                 except Exception as exc:   # noqa: BLE001
-                    return outputs + [self.fail(seq, exc) for seq, _ in done]
-                outputs += [self._append_or_fail(seq, token, row) for (seq, _), token, row in zip(done, tokens, logits)]
+                    early += [self.fail(seq, exc) for seq, _ in done]
+                else:
+                    sampled += zip([seq for seq, _ in done], logits)
+        for seq, _ in sampled:
+            seq.num_pending += 1
+        device = tokens[0].device if tokens else torch.device("cpu")
+        return InFlightStep(sampled, torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.int64, device=device),
+                            early)
+
+    def _read(self, step: InFlightStep | None) -> list[StepOutput]:
+        """Read ``step``'s tokens (waits for its GPU work) and update its requests: append or finish. A request
+        that ended while the token was computed (its previous token ended it, or it was aborted) drops it."""
+        if step is None:
+            return []
+        outputs = list(step.early)
+        for (seq, row), token in zip(step.sampled, step.tokens_on_host()):
+            seq.num_pending -= 1
+            if not seq.finished:
+                outputs.append(self._append_or_fail(seq, token, row))
         return outputs
 
     def _prefill_alone(self, chunks: list, exc: Exception, outputs: list[StepOutput]) -> list:

@@ -96,7 +96,7 @@ class EngineArgs:
     """KV blocks in the pool (default: enough for max_batch_size requests of max_seq_len)"""
     max_num_batched_tokens: int | None = None
     """token budget of one engine step: the running decodes plus prompt chunks packed into one model call
-    (default: 2048 on CUDA, whole prompts on the CPU)"""
+    (default: 8192 on CUDA, whole prompts on the CPU)"""
     max_prefill_tokens: int | None = None
     """token budget of a step in which no request decodes (default: 32768 on CUDA, max_num_batched_tokens
     elsewhere)"""
@@ -118,6 +118,9 @@ class EngineArgs:
     """automatic prefix caching (vLLM's flag): a request whose prompt starts with full KV blocks an earlier request
     prefilled reuses them and prefills only the rest; None = on where the method supports it (mac, full), True
     where it does not is refused naming the method"""
+    async_scheduling: bool | None = None
+    """launch each engine step before reading the previous step's tokens, so the host's work between steps
+    overlaps the GPU's (vLLM's async scheduling); None = on exactly on CUDA without tensor parallelism"""
     seed: int | None = None
     """seed of the per-request sampling seeds: a request that gives none gets the next draw of a generator seeded
     with it, so a run repeats exactly (default: a fresh random seed per request)"""
@@ -190,7 +193,8 @@ class EngineArgs:
                              max_num_batched_tokens=self.max_num_batched_tokens,
                              max_prefill_tokens=self.max_prefill_tokens,
                              tensor_parallel_size=self.tensor_parallel_size, tp_timeout_s=self.tp_timeout_s,
-                             enable_prefix_caching=self.enable_prefix_caching)
+                             enable_prefix_caching=self.enable_prefix_caching,
+                             async_scheduling=self.async_scheduling)
 
     def load_model(self, *, with_tokenizer: bool = True):
         """``(model, tokenizer)``: the built-in checkpoint or ``AutoModelForCausalLM`` / ``AutoTokenizer`` of

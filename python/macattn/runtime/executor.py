@@ -33,6 +33,7 @@ from macattn.models.transformers_api import CACHE_KWARG
 
 from macattn.runtime.block_manager import BlockManager
 from macattn.runtime.config import CUDA_CHUNK_QUANTUM, RuntimeConfig, quantized_chunk
+from macattn.runtime.in_flight import TokenFeed
 from macattn.runtime.kv_cache import DecodeView, PagedKVCache, PrefillView
 from macattn.runtime.prefill_graphs import PrefillGraphs
 from macattn.runtime.prefix_cache import cache_salt
@@ -351,18 +352,23 @@ class ModelExecutor:
     def sampling_rows(seqs: list[Sequence]) -> list[SamplingRow]:
         """``(params, seed, position of the token to generate, tokens generated)`` per request
         (``SamplingBatch.of``)."""
-        return [SamplingRow(s.sampling, s.seed, s.num_tokens, len(s.output)) for s in seqs]
+        return [SamplingRow(s.sampling, s.seed, s.num_tokens, s.num_generated) for s in seqs]
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """``sample_on_device``'s tokens, read back."""
+        return self.sample_on_device(seqs, logits).tolist()
 
     @torch.inference_mode()
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """Each request's next token from its row of ``logits [B, V]`` (``runtime.sampling``). The penalties'
-        token counts: a request's prompt is marked before its first token; every sampled token is counted
-        (once the counts exist: the first request with a penalty allocates them)."""
+    def sample_on_device(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Each request's next token (``[B]`` int64 on ``logits``' device, not read back) from its row of
+        ``logits [B, V]`` (``runtime.sampling``). The penalties' token counts: a request's prompt is marked before
+        its first token; every sampled token is counted (once the counts exist: the first request with a penalty
+        allocates them)."""
         variant = SamplerVariant.of([s.sampling for s in seqs])
         counts, slots, tc = None, None, self.token_counts
         if variant.penalize:
             for s in seqs:
-                if not s.output and s.sampling.penalized:
+                if not s.num_generated and s.sampling.penalized:
                     tc.add_prompt(s.slot, s.prompt)
         if tc.allocated:
             slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64).to(logits.device)
@@ -371,27 +377,36 @@ class ModelExecutor:
         tokens = sample_tokens(logits, batch, greedy_only=not variant.draw, counts=counts)
         if slots is not None:
             tc.record(slots, tokens)
-        return tokens.tolist()
+        return tokens
 
-    @torch.inference_mode()
     def decode_step(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor]:
-        """One decode step with sampling: ``(next token per request, logits [B, V])``. On CUDA the
-        whole step — model and sampler — is one graph replay per batch bucket."""
-        if self.decoder is not None:
-            tokens, logits = self.decoder.step(seqs)
-            return tokens.tolist(), logits
-        logits = self.decode(seqs)
-        return self.sample(seqs, logits), logits
+        """One decode step with sampling: ``(next token per request, logits [B, V])`` (``decode_tokens``, read
+        back)."""
+        tokens, logits = self.decode_tokens(seqs)
+        return tokens.tolist(), logits
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Feed each request's last generated token at its position ``m = num_tokens - 1``.
-        Returns logits ``[B, V]``."""
+    def decode_tokens(self, seqs: list[Sequence], feed: TokenFeed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step with sampling: ``(next token per request [B] int64 on the device, not read back;
+        logits [B, V])``. On CUDA the whole step — model and sampler — is one graph replay per batch bucket.
+        ``feed``: the step in flight's tokens, for the requests whose last token is pending (async scheduling)."""
         if self.decoder is not None:
-            return self.decoder.step(seqs)[1]
+            return self.decoder.step(seqs, feed)
+        logits = self.decode(seqs, feed)
+        return self.sample_on_device(seqs, logits), logits
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence], feed: TokenFeed | None = None) -> torch.Tensor:
+        """Feed each request's last generated token (from ``feed`` where it is pending) at its position
+        ``m = num_tokens - 1``. Returns logits ``[B, V]``."""
+        if self.decoder is not None:
+            return self.decoder.step(seqs, feed)[1]
         B = len(seqs)
         m = [s.num_tokens - 1 for s in seqs]
-        ids = torch.tensor([[s.output[-1]] for s in seqs], dtype=torch.int64, device=self.device)
+        ids = torch.tensor([[0 if s.num_pending else s.output[-1]] for s in seqs], dtype=torch.int64,
+                           device=self.device)
+        if feed is not None:
+            feed.write(ids, seqs)
         positions = torch.tensor(m, dtype=torch.int64, device=self.device)
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64)
         if not self.paged_kv:

@@ -349,12 +349,14 @@ class ModelRunner:
 
     def _run(self, seqs, width, pad, return_dict, output_sequence_lengths, extras, wanted, words):
         by_id = {s.request_id: (s, w) for s, w in zip(seqs, words) if w is not None}
+        # bans of bad words spanning tokens are made from each request's tail before every step: serial steps
+        sync = any(w.dynamic for _, w in by_id.values())
         try:
             while not all(s.finished for s in seqs):
                 for seq, w in by_id.values():    # this step's bans of bad words (host side, from each tail)
                     if w.dynamic and not seq.finished:
                         w.ban(seq)
-                for step in self.engine.step():
+                for step in self.engine.step(sync=sync):
                     extras.record(step)
                     seq, w = by_id.get(step.request_id, (None, None))
                     if w is not None and w.stops and step.token is not None and not step.finished \

@@ -84,8 +84,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def decode_batch(self) -> list[Sequence]:
-        """Running requests with at least one generated token (their next step is a decode)."""
-        return [s for s in self.running if s.prefilled]
+        """Running requests with at least one generated token and tokens left to generate (their next step is
+        a decode; one whose pending token is its last finishes when the engine reads it)."""
+        return [s for s in self.running if s.prefilled and s.num_generated < s.sampling.max_new_tokens]
 
     def prefilling(self) -> list[Sequence]:
         """Running requests whose prompt is not prefilled yet (admission order)."""

@@ -57,6 +57,9 @@ class Sequence:
     reuse_prefix: bool = False
     prompt_logprobs: list | None = field(default=None, repr=False)
     index: int = 0                            # which of the n samples of its prompt (0: the parent)
+    # tokens sampled on the device that the host has not read yet (async scheduling, ``LLMEngine``): 0 or 1; they
+    # count as positions (the next step feeds them from the device) but are not in ``output`` until read
+    num_pending: int = 0
     forks: list["Sequence"] = field(default_factory=list, repr=False)   # a parent's forks, until they start
     parent: "Sequence | None" = field(default=None, repr=False)         # a fork's parent
 
@@ -67,8 +70,13 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus generated tokens (positions ``0 .. num_tokens - 1``)."""
-        return len(self.prompt) + len(self.output)
+        """Prompt plus generated tokens, read or pending (positions ``0 .. num_tokens - 1``)."""
+        return len(self.prompt) + self.num_generated
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated so far: ``output`` plus the pending one."""
+        return len(self.output) + self.num_pending
 
     @property
     def max_tokens(self) -> int:
@@ -77,7 +85,8 @@ class Sequence:
 
     @property
     def prefilled(self) -> bool:
-        return bool(self.output)
+        """Whether the prompt is prefilled: a first token was sampled (read or pending)."""
+        return self.num_generated > 0
 
     @property
     def finished(self) -> bool:

@@ -26,8 +26,8 @@ write_rows       ``[nb]``         int64: flat KV-pool row of position ``m`` (pag
 page_table       ``[nb, P]``      int32: KV block ids (paged KV only)
 ===============  ===============  =========================================================
 
-The previous step's copy has finished before the host writes again: the step reads its tokens
-back (a synchronisation) after the copy, the graph and the sampler, in stream order.
+The host writes again only after the previous step's copy has run (``wait_copied``): with async
+scheduling (``runtime/in_flight.py``) the next step's inputs are written while the step before runs.
 """
 from __future__ import annotations
 
@@ -70,6 +70,7 @@ class StepInputs:
         for name, dtype, shape, start, nbytes in spans:
             self.host[name] = self.host_buffer[start:start + nbytes].view(dtype).view(shape).numpy()
             self.device[name] = self.device_buffer[start:start + nbytes].view(dtype).view(shape)
+        self.copied = torch.cuda.Event() if torch.device(device).type == "cuda" else None   # the last upload ran
         self.row_keys = [_UNSET] * nb              # which request's parameters each row holds (``write_sampling``)
         self.bias_keys = [_UNSET] * nb             # what each bias-table row holds
 
@@ -105,6 +106,13 @@ class StepInputs:
                 if rows[i].params.biased:
                     h["bias_ids"][i], h["bias_values"][i] = bias_row(rows[i], BIAS_WIDTH)
 
+    def wait_copied(self) -> None:
+        """Wait until the last ``upload`` has read the host twin (before the host writes it again)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+
     def upload(self) -> None:
         """Copy every field to the device (asynchronous; stream-ordered before the step's graph)."""
         self.device_buffer.copy_(self.host_buffer, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()

@@ -159,11 +159,22 @@ class TensorParallelExecutor:
         return self.group.run(self.engine_id, "decode", (rows, self._wires(seqs)),
                               lambda: self.local.decode_step(seqs))
 
+    def decode_tokens(self, seqs: list[Sequence], feed=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``decode_step`` as tensors. No ``feed``: the workers take each request's last token from the host
+        (``RuntimeConfig`` refuses async scheduling under tensor parallelism)."""
+        if feed is not None or any(s.num_pending for s in seqs):
+            raise RuntimeError("a tensor-parallel decode step needs every request's last token on the host")
+        tokens, logits = self.decode_step(seqs)
+        return torch.tensor(tokens, dtype=torch.int64), logits
+
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         return self.decode_step(seqs)[1]
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         return self.local.sample(seqs, logits)
+
+    def sample_on_device(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        return self.local.sample_on_device(seqs, logits)
 
     def run_on_ranks(self, fn: Callable, *args) -> list:
         """``[fn(executor_r, *args) for every rank r]``: ``fn`` (a module-level function registered with
