@@ -13,14 +13,9 @@ known in advance (``Scheduler.decode_batch``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import torch
 
 from macattn.runtime.sequence import Sequence
-
-if TYPE_CHECKING:
-    from macattn.runtime.engine import StepOutput
 
 __all__ = ["TokenFeed", "InFlightStep", "device_index"]
 
@@ -59,12 +54,12 @@ class TokenFeed:
 @dataclass
 class InFlightStep:
     """A launched step: ``sampled`` (request, the logits row ``[V]`` its token was sampled from) in the order of
-    ``tokens [R]`` (int64, on the device); ``early``: outputs already known at launch (calls that failed).
+    ``tokens [R]`` (int64, on the device); ``early``: ``StepOutput`` s already known at launch (calls that failed).
     ``read`` starts the tokens' copy to the host at launch; ``tokens_on_host`` waits for it."""
 
     sampled: list[tuple[Sequence, torch.Tensor]]
     tokens: torch.Tensor
-    early: list["StepOutput"] = field(default_factory=list)
+    early: list = field(default_factory=list)
     _host: torch.Tensor | None = None
     _ready: torch.cuda.Event | None = None
 
