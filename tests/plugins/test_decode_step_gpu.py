@@ -59,23 +59,80 @@ def test_silu_mul_kernel(op, dtype, R, I):
     torch.testing.assert_close(got, silu_mul_reference(gu), **_tol(dtype))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,Hq,Hkv,d", [(1, 32, 8, 128), (3, 4, 2, 16), (2, 6, 6, 48), (5, 8, 1, 64), (0, 4, 2, 16)])
-def test_rope_append_kernel(op, dtype, B, Hq, Hkv, d):
-    g = torch.Generator().manual_seed(B * 100 + d)
+def _rope_inputs(B, Hq, Hkv, d, dtype, P, seed):
+    g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(B, (Hq + 2 * Hkv) * d, generator=g).to(dtype).to(DEVICE)
     ang = torch.rand(B, d // 2, generator=g) * 100
     cos = torch.cat([ang.cos()] * 2, -1).to(dtype).to(DEVICE)
     sin = torch.cat([ang.sin()] * 2, -1).to(dtype).to(DEVICE)
-    P = 3 * B + 4
     rows = torch.randperm(P, generator=g)[:B].to(DEVICE)
+    return qkv, cos, sin, rows
+
+
+def _rope_exact(dtype) -> bool:
+    """Whether the kernel must equal the reference bit for bit: fp16 always and bf16 on the GPU (each product
+    and the sum rounded to the dtype, as the reference does; the interpreter rounds fp32 -> bf16 its own way);
+    fp32 in the interpreter only (the GPU may contract fp32's product and sum into one FMA)."""
+    if dtype == torch.float16:
+        return True
+    return not INTERPRET if dtype == torch.bfloat16 else INTERPRET
+
+
+# B spans the launcher's tile choice (pairs per program: a power of two <= B, at most 16): B = 1, B not a
+# multiple of any tile (a last program half full, tiles over two tokens), Hq = Hkv, Qwen-like Hq = 28 / Hkv = 4,
+# one KV head, d = 64 / 128 and head dims that are not powers of two
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,Hq,Hkv,d", [(1, 32, 8, 128), (3, 4, 2, 16), (2, 6, 6, 48), (5, 8, 1, 64), (0, 4, 2, 16),
+                                        (1, 28, 4, 128), (7, 28, 4, 128), (37, 28, 4, 64), (17, 8, 8, 128),
+                                        (16, 5, 1, 32), (130, 32, 8, 128), (33, 3, 1, 80)])
+def test_rope_append_kernel(op, dtype, B, Hq, Hkv, d):
+    P = 3 * B + 4
+    qkv, cos, sin, rows = _rope_inputs(B, Hq, Hkv, d, dtype, P, seed=B * 100 + d + Hq)
     kp, vp = _poison(P, Hkv, d, dtype=dtype, device=DEVICE), _poison(P, Hkv, d, dtype=dtype, device=DEVICE)
     kr, vr = kp.clone(), vp.clone()
-    q = op.rope_append(qkv, cos, sin, kp, vp, rows, Hq, Hkv)
+    q = op.rope_append(qkv, cos, sin, kp, vp, rows, Hq, Hkv)     # q_out comes NaN-poisoned (the fixture)
     q_ref = rope_append_reference(qkv, cos, sin, kr, vr, rows, Hq, Hkv)
-    tol = _tol(dtype)
+    tol = dict(rtol=0, atol=0) if _rope_exact(dtype) else _tol(dtype)
     torch.testing.assert_close(q, q_ref, **tol)
     torch.testing.assert_close(kp, kr, equal_nan=True, **tol)     # written rows equal, the others stay NaN
     torch.testing.assert_close(vp, vr, equal_nan=True, rtol=0, atol=0)
     if B:
-        assert not q.isnan().any() and not kp[rows].isnan().any()
+        assert not q.isnan().any() and not kp[rows].isnan().any() and not vp[rows].isnan().any()
+        untouched = torch.ones(P, dtype=torch.bool, device=DEVICE)
+        untouched[rows] = False
+        assert kp[untouched].isnan().all() and vp[untouched].isnan().all()
+
+
+def test_rope_append_kernel_strided_qkv(op):
+    """qkv as a view with a row stride wider than its heads (the launcher needs unit stride only in the last dim)."""
+    B, Hq, Hkv, d, dtype = 19, 6, 2, 64, torch.bfloat16
+    wide, cos, sin, rows = _rope_inputs(B, Hq + 1, Hkv, d, dtype, 40, seed=5)
+    qkv = wide[:, :(Hq + 2 * Hkv) * d]
+    kp, vp = _poison(40, Hkv, d, dtype=dtype, device=DEVICE), _poison(40, Hkv, d, dtype=dtype, device=DEVICE)
+    kr, vr = kp.clone(), vp.clone()
+    q = op.rope_append(qkv, cos, sin, kp, vp, rows, Hq, Hkv)
+    q_ref = rope_append_reference(qkv, cos, sin, kr, vr, rows, Hq, Hkv)
+    tol = dict(rtol=0, atol=0) if _rope_exact(dtype) else _tol(dtype)
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(kp, kr, equal_nan=True, **tol)
+    torch.testing.assert_close(vp, vr, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(INTERPRET, reason="a pool of 2^31+ elements (4 GiB in bf16 each): GPU only")
+def test_rope_append_kernel_int64_pool_offsets(op):
+    """Pool rows whose element offset passes 2^31 (a large paged pool) are written where the reference writes."""
+    Hkv, d, dtype = 8, 128, torch.bfloat16
+    P = 2 ** 31 // (Hkv * d) + 64
+    need = 2 * P * Hkv * d * 2 + (1 << 30)
+    if torch.cuda.mem_get_info()[0] < need:
+        pytest.skip(f"needs {need / 2 ** 30:.1f} GiB of free GPU memory")
+    B, Hq = 5, 32
+    qkv, cos, sin, _ = _rope_inputs(B, Hq, Hkv, d, dtype, 8, seed=7)
+    rows = torch.tensor([P - 1, 0, P - 40, 2 ** 31 // (Hkv * d), 3], device=DEVICE)
+    kp, vp = (torch.empty(P, Hkv, d, dtype=dtype, device=DEVICE) for _ in range(2))
+    kr, vr = (torch.empty(B, Hkv, d, dtype=dtype, device=DEVICE) for _ in range(2))
+    q = op.rope_append(qkv, cos, sin, kp, vp, rows, Hq, Hkv)
+    q_ref = rope_append_reference(qkv, cos, sin, kr, vr, torch.arange(B, device=DEVICE), Hq, Hkv)
+    torch.testing.assert_close(q, q_ref, rtol=0, atol=0)
+    torch.testing.assert_close(kp[rows], kr, rtol=0, atol=0)
+    torch.testing.assert_close(vp[rows], vr, rtol=0, atol=0)

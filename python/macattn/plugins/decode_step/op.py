@@ -11,6 +11,10 @@ from .kernel import _add_rms_norm, _rope_append, _silu_mul
 __all__ = ["add_rms_norm", "silu_mul", "rope_append"]
 
 _SILU_BLOCK = 1024
+# (token, head) pairs per rope_append program at most: 16 heads of d = 128 in bf16 move 4 KB in and 4 KB out
+# per program (one pair per one-warp program, 512 B, left a 32K-token prefill at ~4x its bandwidth floor).
+# Fewer for a decode step of B < 16 tokens, so it keeps at least Hq + 2 Hkv programs.
+_ROPE_ROWS = 16
 _alloc = torch.empty   # the tests swap in a NaN-filling allocator to check every output element is written
 
 
@@ -62,8 +66,10 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool:
             raise ValueError(f"{name} must be contiguous")
     q = _alloc(B, num_q_heads, d, dtype=qkv.dtype, device=qkv.device)
     if B:
-        half = d // 2
-        _rope_append[(B, num_q_heads + 2 * num_kv_heads)](
-            qkv, cos, sin, q, k_pool, v_pool, write_rows, qkv.stride(0), num_q_heads, num_kv_heads,
-            HALF=half, BLOCK_H=triton.next_power_of_2(half), num_warps=1)
+        half, block_h = d // 2, triton.next_power_of_2(d // 2)
+        n = B * (num_q_heads + 2 * num_kv_heads)
+        rows = min(_ROPE_ROWS, 1 << (B.bit_length() - 1))       # a power of two <= B
+        _rope_append[(triton.cdiv(n, rows),)](
+            qkv, cos, sin, q, k_pool, v_pool, write_rows, n, qkv.stride(0), num_q_heads, num_kv_heads,
+            HALF=half, BLOCK_H=block_h, ROWS=rows, num_warps=min(8, max(1, rows * block_h // 256)))
     return q
