@@ -228,14 +228,17 @@ class RaggedPrefill:
         given, gets segment ``i``'s keys / values (``segment_kv``'s) as they are used, so a method writing
         per-segment state reads them without gathering a continued segment's history again.
         ``segment_attention(i, q, k, v)``, when given, may compute segment ``i``'s causal attention itself
-        (``[1, Hq, Q, d]``, e.g. with the method's state as a by-product) or return None for
+        (``[1, Hq, Q, d]``, or a tuple of consecutive query rows' parts ``[1, Hq, Q_j, d]`` that the call's one
+        concatenation joins; e.g. with the method's state as a by-product) or return None for
         ``causal_attention``'s; it runs before ``each(i, k, v)``."""
         outs = []
         for i, seg in enumerate(self.segments):
             k, v = self.segment_kv(layer, i, key, value)
             q = query[:, :, seg.offset: seg.offset + seg.length]
             out = None if segment_attention is None else segment_attention(i, q, k, v)
-            outs.append((causal_attention(q, k, v, scale) if out is None else out).transpose(1, 2))
+            if out is None:
+                out = causal_attention(q, k, v, scale)
+            outs += [part.transpose(1, 2) for part in (out if isinstance(out, tuple) else (out,))]
             if each is not None:
                 each(i, k, v)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

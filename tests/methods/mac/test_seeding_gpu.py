@@ -1,8 +1,9 @@
 """Ring seeding on CUDA (``tail_summaries``' fused flash-attention path with its log-sum-exp) against the
 fp32 reference (``rectified_summaries_reference``): fresh random bf16 inputs, GQA, tails shorter and
 longer than the band, a whole seeded ring row against the reference seeding; a continued chunk's attention split
-at the band (``band_split_attention``) against plain causal attention and the reference summaries. Marked
-``gpu``."""
+at the band (``band_split_attention``) against plain causal attention and the reference summaries; a fresh segment's
+split (``fresh_split_attention``) against the definition, and packed MAC layers with it against the unsplit path
+(``_fresh_split``; the same cases run on the CPU with stand-in kernels in ``test_fresh_split.py``). Marked ``gpu``."""
 from __future__ import annotations
 
 import math
@@ -12,8 +13,12 @@ import torch
 
 from macattn.methods.mac.reference import rectified_summaries_reference
 from macattn.core.attention import expand_kv_heads
-from macattn.methods.mac.seeding import (band_split_applies, band_split_attention, fused_seeding_applies,
-                                         seeded_ring_rows, tail_summaries)
+from macattn.methods.mac import backend
+from macattn.methods.mac.seeding import (band_split_applies, band_split_attention, fresh_split_attention,
+                                         fused_seeding_applies, seeded_ring_rows, tail_summaries)
+
+from _fresh_split import (MUTATIONS, Seg, assert_same_rings, cases, fresh_tails, mutant, packed_call, row_error,
+                          run_both)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -91,3 +96,77 @@ def test_band_split_is_not_taken_where_it_does_not_pay_or_apply():
     big_q = torch.zeros(1, 1, 8192, 64, device="cuda", dtype=torch.bfloat16)
     big_k = torch.zeros(1, 1, 32768, 64, device="cuda", dtype=torch.bfloat16)
     assert not band_split_applies(big_q, big_k, 64)  # cuDNN's split is faster there
+
+
+@pytest.mark.parametrize("L,K,band", [(1280, 1024, 256), (4096, 1024, 64), (700, 256, 64), (65, 32, 33)])
+@pytest.mark.parametrize("Hq,Hkv", [(32, 8), (4, 4)])
+def test_fresh_split_attention_equals_causal_attention_and_the_seeding(L, K, band, Hq, Hkv):
+    """A fresh segment's split: head and tail = causal attention over the prompt (fp32 math), the far part = the
+    ``tail_summaries`` that the seeding makes (bit for bit: the same call) and so the same ring rows; a far part one
+    key short (the band one wider, so the output misses key ``t - band``) would fail the output check."""
+    g = torch.Generator(device="cuda").manual_seed(L + K + band)
+    d, scale = 128, 1 / math.sqrt(128)
+    q, qp = (torch.randn(1, Hq, L, d, device="cuda", generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(1, Hkv, L, d, device="cuda", generator=g).bfloat16() for _ in range(2))
+    got = fresh_split_attention(q, k, v, window=K, band=band, scale=scale)
+    assert got is not None, "this torch's flash took no window"
+    (head, tail), far = got
+    assert head.shape == (1, Hq, L - K, d) and tail.shape == (1, Hq, K, d) and head.dtype == tail.dtype == q.dtype
+    out = torch.cat([head, tail], 2).transpose(1, 2)                     # [1, L, Hq, d]
+    kf, vf = expand_kv_heads(k.float(), Hq), expand_kv_heads(v.float(), Hq)
+    logits = torch.einsum("bhqd,bhkd->bhqk", q.float(), kf) * scale
+    pos = torch.arange(L, device="cuda")
+    future = pos.view(1, -1) > pos.view(-1, 1)
+    ref = torch.einsum("bhqk,bhkd->bqhd", logits.masked_fill(future, float("-inf")).softmax(-1), vf)
+    assert row_error(out, ref) < 2e-2
+    if L <= 1280:          # one key of t moves a row by ~1 / sqrt(t): > 2 % for the earliest tail rows here
+        missed = future | ((pos.view(1, -1) == pos.view(-1, 1) - band) & (pos.view(-1, 1) >= L - K))
+        missed_out = torch.einsum("bhqk,bhkd->bqhd", logits.masked_fill(missed, float("-inf")).softmax(-1), vf)
+        assert row_error(missed_out, ref) > 2e-2
+    want = tail_summaries(q[:, :, L - K:], k, v, band=band, scale=scale)
+    assert torch.equal(far.o, want.o) and torch.equal(far.lse, want.lse)
+    for a, b in zip(seeded_ring_rows(q, qp, k, v, window=K, band=band, scale=scale, summary=far),
+                    seeded_ring_rows(q, qp, k, v, window=K, band=band, scale=scale)):
+        assert torch.equal(a, b)
+
+
+def test_fresh_split_falls_back_where_it_does_not_apply():
+    q = torch.zeros(1, 4, 1279, 64, device="cuda", dtype=torch.bfloat16)
+    assert fresh_split_attention(q, q, q, window=1024, band=256, scale=0.125) is None    # L - n = band - 1
+    assert fresh_split_attention(q, q, q, window=2048, band=256, scale=0.125) is None    # window > L
+    assert fresh_split_attention(q, q, q, window=1024, band=0, scale=0.125) is None      # no band
+    assert fresh_split_attention(q.float(), q.float(), q.float(), window=1024, band=128, scale=0.125) is None
+    assert fresh_split_attention(q, q, q, window=1024, band=255, scale=0.125) is not None
+
+
+GPU_CASES = {**cases(1024, 256), "cudnn_head": ([Seg(0, 17_500)], [True])}   # head 16,476: cuDNN (uses_cudnn)
+
+
+@pytest.mark.parametrize("name", GPU_CASES)
+def test_a_packed_layer_with_fresh_splits_equals_the_unsplit_path(name, monkeypatch):
+    """8B shapes, bf16, rings poisoned (NaN) first: each fresh segment splits where ``cases`` says, the output equals
+    the unsplit path's row by row within bf16 rounding, the rings bit for bit (no poison left in a seeded row); the
+    same check fails for the output with a fresh tail one row off."""
+    segs, want = GPU_CASES[name]
+    p = packed_call(segs, Hq=32, Hkv=8, d=128, dtype=torch.bfloat16, device="cuda", seed=len(name))
+    (out, rings, taken), (old_out, old_rings) = run_both(monkeypatch, p, window=1024, band=256)
+    assert taken == want
+    assert torch.isfinite(out).all()
+    assert row_error(out, old_out) < 2e-2
+    assert_same_rings(rings, old_rings, p)
+    tail = fresh_tails(p, 1024)[0]
+    shifted = out.clone()
+    shifted[:, tail] = out[:, tail].roll(1, dims=1)
+    assert row_error(shifted, old_out) > 2e-2
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_the_packed_checks_catch_a_split_one_position_off(mutation, monkeypatch):
+    """Each deliberate off-by-one of the split (``_fresh_split.MUTATIONS``) fails the checks above in bf16."""
+    segs, _ = GPU_CASES["mixed"]
+    p = packed_call(segs, Hq=32, Hkv=8, d=128, dtype=torch.bfloat16, device="cuda", seed=5)
+    monkeypatch.setattr(backend, "fresh_split_attention", mutant(mutation))
+    with pytest.raises(AssertionError):
+        (out, rings, _), (old_out, old_rings) = run_both(monkeypatch, p, window=1024, band=256)
+        assert row_error(out, old_out) < 2e-2
+        assert_same_rings(rings, old_rings, p)

@@ -25,7 +25,8 @@ from macattn.methods.mac.config import ENGINE_MISS_POLICIES, MacConfig
 from macattn.methods.mac.decode_plans import MacDecodePlans
 from macattn.methods.mac.match_sketch import sketch
 from macattn.methods.mac.reference import mac_match_two_stage_reference
-from macattn.methods.mac.seeding import band_split_applies, band_split_attention, seed_rings_, tail_summaries
+from macattn.methods.mac.seeding import (band_split_applies, band_split_attention, fresh_split_attention, seed_rings_,
+                                         tail_summaries)
 from macattn.methods.mac.state import MacState
 
 __all__ = ["MacAttention"]
@@ -171,10 +172,15 @@ class MacAttention(AttentionMethod):
             far: dict[int, AttentionSummary] = {}
 
             def attention(i, q, k, v):
-                # a continued chunk holding ring positions: its attention yields their summaries (one pass)
-                if plan.segments[i].last_positions(params.window) == 0 or not band_split_applies(q, k, params.band):
+                # a segment holding ring positions: its attention yields their summaries (no second pass to seed)
+                if plan.segments[i].last_positions(params.window) == 0:
                     return None
-                got = band_split_attention(q, k, v, band=params.band, scale=scale)
+                if q.shape[2] == k.shape[2]:        # fresh: the ring's tail attends apart from the rest
+                    got = fresh_split_attention(q, k, v, window=params.window, band=params.band, scale=scale)
+                elif band_split_applies(q, k, params.band):
+                    got = band_split_attention(q, k, v, band=params.band, scale=scale)
+                else:
+                    got = None
                 if got is None:
                     return None
                 far[i] = got[1]
@@ -209,12 +215,13 @@ class MacAttention(AttentionMethod):
         whole rows with tensor ops (traceable; ``rings``: the export's explicit ring tensors); a chunk
         after earlier ones writes its last ``min(K, T, keep)`` positions on top of the row (``keep``: how
         many of them later chunks leave in the ring; ``host_slots``: ``slots`` as ints, where the caller has
-        them, so the host does not wait for the GPU to read them back; ``summary``: the chunk's queries' rectified
-        summaries where its attention already made them, ``band_split_attention``'s far part)."""
+        them, so the host does not wait for the GPU to read them back; ``summary``: the rectified summaries its
+        attention already made, ``band_split_attention``'s far part of a chunk's queries or
+        ``fresh_split_attention``'s of a fresh prompt's last ``min(K, T)``)."""
         T, S = query.shape[2], key.shape[2]
         if S == T:
             seed_rings_(self._rings(StepContext(rings=rings), layer), slots, query, q_pre, key, value,
-                        band=params.band, scale=scale)
+                        band=params.band, scale=scale, summary=summary)
             if rings is None:
                 self.state.sketch_rows_(layer, slots)
             return

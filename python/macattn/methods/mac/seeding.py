@@ -23,12 +23,12 @@ import torch
 
 from macattn.core.attention import expand_kv_heads
 from macattn.core.flash_split import flash_forward, flash_lower_right
-from macattn.core.ragged import uses_cudnn
+from macattn.core.ragged import causal_attention, uses_cudnn
 from macattn.core.summaries import AttentionSummary, summarize
 from macattn.methods.mac.reference import rectified_summaries_reference
 
 __all__ = ["seeded_ring_rows", "seed_rings_", "tail_summaries", "fused_seeding_applies", "band_split_applies",
-           "band_split_attention"]
+           "band_split_attention", "fresh_split_attention"]
 
 
 def fused_seeding_applies(query: torch.Tensor) -> bool:
@@ -70,13 +70,15 @@ def tail_summaries(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return AttentionSummary(o, torch.where(empty, float("-inf"), lse.float()))
 
 
-def band_split_applies(query: torch.Tensor, key: torch.Tensor, band: int) -> bool:
-    """Whether ``band_split_attention`` serves a continued chunk ``query [1, Hq, Q, d]`` over ``key [1, Hkv, S, d]``:
-    the fused seeding applies, every query has ``band`` earlier keys before its band (``S - Q >= band``, so no
-    query's far part is empty), and the chunk would run on flash anyway (``not uses_cudnn``: the far part is a
-    flash call, and cuDNN's lower-right split beats flash where its plan pays)."""
+def band_split_applies(query: torch.Tensor, key: torch.Tensor, band: int, *, fresh: bool = False) -> bool:
+    """Whether ``band_split_attention`` serves ``query [1, Hq, Q, d]`` at the last ``Q`` positions of ``key [1, Hkv,
+    S, d]``: the fused seeding applies, every query has ``band`` earlier keys before its band (``S - Q >= band``, so
+    no query's far part is empty), and this torch's flash takes a window (as far as known). A continued chunk
+    (``fresh`` False) must also run on flash anyway (``not uses_cudnn``: the far part is a flash call, and cuDNN's
+    lower-right split beats flash where its plan pays). ``fresh``: ``query`` is the ring's tail of a fresh segment
+    (``fresh_split_attention``), whose far part is the seeding's own pass: the split then pays on any backend."""
     Q, S = query.shape[2], key.shape[2]
-    return (band >= 1 and S - Q >= band and fused_seeding_applies(query) and not uses_cudnn(Q, S)
+    return (band >= 1 and S - Q >= band and fused_seeding_applies(query) and (fresh or not uses_cudnn(Q, S))
             and _WINDOW_OK.get(query.device, True))
 
 
@@ -109,6 +111,32 @@ def band_split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return out.to(query.dtype), far
 
 
+def fresh_split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, window: int, band: int,
+                          scale: float) -> tuple[tuple[torch.Tensor, torch.Tensor], AttentionSummary] | None:
+    """A fresh segment's causal attention with the rectified summaries its ring is seeded from, without the
+    seeding's second pass over the keys: ``query [1, Hq, L, d]`` at positions ``0 .. L - 1`` of ``key / value
+    [1, Hkv, L, d]``, ``n = min(window, L)`` the positions ``seeded_ring_rows`` keeps. The first ``L - n`` queries
+    attend over the first ``L - n`` keys as the packed plan would attend a segment of that size
+    (``core.ragged.causal_attention``: cuDNN where it pays), the last ``n`` through ``band_split_attention``, whose
+    far part is ``tail_summaries`` of those queries, the call ``seeded_ring_rows`` would make.
+
+    Returns ``((head [1, Hq, L - n, d], tail [1, Hq, n, d]) in query's dtype, far)`` (the two parts of the output
+    in query order; far: o ``[1, Hq, n, d]``, lse ``[1, Hq, n]``, fp32, for ``seed_rings_(summary=)``), or None
+    where the split does not apply (``band_split_applies(fresh=True)``; among others ``L - n < band``, so a prompt
+    within the window never splits) or this torch's flash takes no window: then the caller attends as before."""
+    L = query.shape[2]
+    n = min(window, L)
+    tail_q = query[:, :, L - n:]
+    if not band_split_applies(tail_q, key, band, fresh=True):
+        return None
+    tail = band_split_attention(tail_q, key, value, band=band, scale=scale)
+    if tail is None:
+        return None
+    h = L - n
+    head = causal_attention(query[:, :, :h], key[:, :, :h], value[:, :, :h], scale)
+    return (head, tail[0]), tail[1]
+
+
 _WINDOW_OK: dict = {}
 _GQA_OK: dict = {}
 
@@ -127,34 +155,38 @@ def _native_gqa(query, k, v, scale) -> bool:
 
 
 def seeded_ring_rows(query: torch.Tensor, q_pre: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-                     window: int, band: int, scale: float
+                     window: int, band: int, scale: float, summary: AttentionSummary | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fresh ring rows of ``B`` requests after a prefill of ``L`` tokens.
 
     Returns ``(q_rows [B, Hq, K, d] (q_pre's dtype), o_rows [B, Hq, K, d] fp32,
     lse_rows [B, Hq, K] fp32, pos_rows [B, K] int64)``; entry ``t`` holds the rectified
     summary ``AS^{(t)}_{[0, t - band]}`` of query ``t`` (empty where ``t - band < 0``).
+    ``summary``: those summaries of the last ``n = min(K, L)`` positions where the prefill's attention already
+    made them (``fresh_split_attention``'s far part: o ``[B, Hq, n, d]``, lse ``[B, Hq, n]``, fp32), else
+    ``tail_summaries`` computes them (the fused path) or the reference does.
     """
     if query.dim() != 4 or q_pre.shape != query.shape:
         raise ValueError(f"query and q_pre must both be [B, Hq, L, d], got {tuple(query.shape)} "
                          f"and {tuple(q_pre.shape)}")
     B, Hq, L, d = query.shape
     K = int(window)
-    if fused_seeding_applies(query) and L >= K:     # eager, every column filled: cached columns, no masks
+    if summary is None and fused_seeding_applies(query):   # eager only: export traces the reference below
+        summary = tail_summaries(query[:, :, L - min(K, L):], key, value, band=band, scale=scale)
+    if summary is not None and summary.o.shape[2] != min(K, L):
+        raise ValueError(f"summary must cover the last {min(K, L)} positions, got {summary.o.shape[2]}")
+    if summary is not None and L >= K:                  # every column filled: cached columns, no masks
         t_col, j = _full_columns(L, K, query.device)
-        summ = tail_summaries(query[:, :, L - K:], key, value, band=band, scale=scale)
-        return (q_pre.index_select(2, t_col), summ.o.index_select(2, j), summ.lse.index_select(2, j),
+        return (q_pre.index_select(2, t_col), summary.o.index_select(2, j), summary.lse.index_select(2, j),
                 t_col.view(1, K).expand(B, K))
     col = torch.arange(K, device=query.device)
     first = col.new_full((), 0) + (L - K)                            # position of the oldest kept entry
     t_col = first + torch.remainder(col - first, K)                  # [K]: position held by column c
     valid = t_col >= 0                                               # False only while L < K
     idx = torch.where(valid, t_col, torch.zeros_like(t_col))
-    if fused_seeding_applies(query):
-        n = min(K, L)                                                # the kept tail, in position order
-        summ = tail_summaries(query[:, :, L - n:], key, value, band=band, scale=scale)
-        j = torch.where(valid, t_col - (L - n), torch.zeros_like(t_col))
-        summ = AttentionSummary(summ.o.index_select(2, j), summ.lse.index_select(2, j))
+    if summary is not None:                                          # the kept tail, in position order
+        j = torch.where(valid, t_col - (L - summary.o.shape[2]), torch.zeros_like(t_col))
+        summ = AttentionSummary(summary.o.index_select(2, j), summary.lse.index_select(2, j))
     else:
         acc = torch.float64 if query.dtype == torch.float64 else torch.float32
         kf = expand_kv_heads(key, Hq).to(acc)
@@ -190,11 +222,12 @@ def _full_columns(L: int, K: int, device: torch.device) -> tuple[torch.Tensor, t
 
 
 def seed_rings_(rings, slots: torch.Tensor, query: torch.Tensor, q_pre: torch.Tensor, key: torch.Tensor,
-                value: torch.Tensor, *, band: int, scale: float) -> None:
-    """Write fresh seeded rows into ``rings = (qring, oring, ring_lse, ring_pos)`` at ``slots``, in place."""
+                value: torch.Tensor, *, band: int, scale: float, summary: AttentionSummary | None = None) -> None:
+    """Write fresh seeded rows into ``rings = (qring, oring, ring_lse, ring_pos)`` at ``slots``, in place
+    (``summary``: as ``seeded_ring_rows``')."""
     qring, oring, ring_lse, ring_pos = rings
     q_rows, o_rows, lse_rows, pos_rows = seeded_ring_rows(query, q_pre, key, value, window=qring.shape[2],
-                                                          band=band, scale=scale)
+                                                          band=band, scale=scale, summary=summary)
     qring.index_copy_(0, slots, q_rows.to(qring.dtype))
     oring.index_copy_(0, slots, o_rows.to(oring.dtype))
     ring_lse.index_copy_(0, slots, lse_rows.to(ring_lse.dtype))
