@@ -70,12 +70,11 @@ def _rope_inputs(B, Hq, Hkv, d, dtype, P, seed):
 
 
 def _rope_exact(dtype) -> bool:
-    """Whether the kernel must equal the reference bit for bit: fp16 always and bf16 on the GPU (each product
-    and the sum rounded to the dtype, as the reference does; the interpreter rounds fp32 -> bf16 its own way);
-    fp32 in the interpreter only (the GPU may contract fp32's product and sum into one FMA)."""
-    if dtype == torch.float16:
-        return True
-    return not INTERPRET if dtype == torch.bfloat16 else INTERPRET
+    """Whether the kernel must equal the reference bit for bit: in the interpreter for fp16 and fp32 (each product
+    and the sum rounded as the reference rounds them; it rounds fp32 -> bf16 its own way). On the GPU the compiler
+    may contract a product and the sum into one FMA: one rounding step apart (measured on an H200: up to 1 ulp in
+    ~23 % of bf16 / fp16 elements), so the dtype's tolerance there."""
+    return INTERPRET and dtype != torch.bfloat16
 
 
 # B spans the launcher's tile choice (pairs per program: a power of two <= B, at most 16): B = 1, B not a
