@@ -174,8 +174,9 @@ def test_close_releases_the_device_memory_even_while_the_engine_is_referenced():
 
 def test_partial_chunks_are_multiples_of_the_quantum():
     """A chunk that leaves part of its prompt is a multiple of ``chunk_quantum`` whatever the decodes beside it
-    (room below one quantum: the room itself); the last chunk ends its prompt; every step stays within its
-    budget; the tokens equal a whole-prompt run's."""
+    (room below one quantum: the room itself, and only as the step's one chunk); the last chunk ends its prompt;
+    every step's prompt tokens stay within its budget, and a step over it by its decode rows takes the rest of one
+    prompt whole; the tokens equal a whole-prompt run's."""
     cfg = RuntimeConfig(max_batch_size=3, max_seq_len=128, max_num_batched_tokens=30)
     eng = LLMEngine(tiny_model("llama", seed=5), MAC, cfg)
     assert eng.scheduler.chunk_quantum == 1                  # the CPU default; CUDA_CHUNK_QUANTUM on CUDA
@@ -185,12 +186,15 @@ def test_partial_chunks_are_multiples_of_the_quantum():
     partial = []
     while eng.has_unfinished():
         step = eng.scheduler.schedule()
-        assert step.num_tokens <= 30
+        assert step.num_tokens - len(step.decodes) <= 30
+        if step.num_tokens > 30:
+            first = step.prefills[0]
+            assert first.completes_prompt and step.num_tokens - first.num_tokens <= 30 - first.num_tokens + len(step.decodes)
         room = 30 - len(step.decodes)
         for c in step.prefills:
             if c.end < len(c.seq.prompt):
                 partial.append(c.num_tokens)
-                assert c.num_tokens % 8 == 0 or c.num_tokens < 8, (c.num_tokens, room)
+                assert c.num_tokens % 8 == 0 or (c.num_tokens < 8 and len(step.prefills) == 1), (c.num_tokens, room)
             room -= c.num_tokens
         eng.execute(step)
     assert partial and any(n % 8 == 0 for n in partial)
@@ -226,3 +230,28 @@ def test_a_layer_with_mac_off_seeds_no_ring():
     assert (every[0][3] >= 0).any() and (mixed[0][3] == -1).all()
     for a, b in zip(every[1], mixed[1]):
         torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_prompt_rest_that_fits_the_budget_is_not_split_for_the_decode_rows_and_no_sliver_rides_along():
+    """Budget 30, quantum 8: with one stream decoding, a 30-token prompt is taken whole (31 tokens in the step,
+    not 29 + a 1-token remainder) and the prompt behind it waits; with two decoding, a 40-token prompt gets a
+    24-token chunk and the 4 tokens of room left give the next prompt no sliver."""
+    eng = LLMEngine(tiny_model("llama", seed=5), MAC, RuntimeConfig(max_batch_size=4, max_seq_len=128,
+                                                                    max_num_batched_tokens=30))
+    eng.scheduler.chunk_quantum = 8
+    a, b, c, d = prompts(4, seed=9, lo=5, hi=5)[0], *(p[:n] for p, n in zip(prompts(3, seed=10, lo=40, hi=40),
+                                                                            (30, 40, 40)))
+    eng.add_request(a, max_new_tokens=6)
+    eng.step()                                           # a's prompt, alone
+    rb, rc, rd = (eng.add_request(p, max_new_tokens=3) for p in (b, c, d))
+    step = eng.scheduler.schedule()
+    assert len(step.decodes) == 1
+    assert [(ch.seq.request_id, ch.start, ch.end) for ch in step.prefills] == [(rb, 0, 30)]
+    assert step.num_tokens == 31
+    eng.execute(step)
+    step = eng.scheduler.schedule()
+    assert len(step.decodes) == 2
+    assert [(ch.seq.request_id, ch.start, ch.end) for ch in step.prefills] == [(rc, 0, 24)]
+    eng.execute(step)
+    eng.run_to_completion()
+    assert all(eng.requests[r].finished for r in (rb, rc, rd))

@@ -63,8 +63,9 @@ class RuntimeConfig:
         channel, quantised at load; needs ``fused_weights``).
     max_num_batched_tokens: the token budget of one engine step (vLLM's name): the running decodes
         (one token each) plus prompt chunks of the requests being prefilled, packed into one model call,
-        so a long prompt never stalls the running streams for more than one budget's prefill; must
-        exceed ``max_batch_size``. ``None`` = ``DEFAULT_CUDA_TOKEN_BUDGET`` on CUDA (chosen by measurement,
+        so a long prompt never stalls the running streams for more than one budget's prefill (a step whose first
+        chunk is the rest of a prompt that fits the budget takes it whole, over the budget by at most its decode
+        rows: ``runtime/scheduler.py``); must exceed ``max_batch_size``. ``None`` = ``DEFAULT_CUDA_TOKEN_BUDGET`` on CUDA (chosen by measurement,
         ``benchmarks/notes/serving.md``), whole prompts elsewhere. Prompts that build their KV their own way
         (retrieval-completion, A3's chunked prompts, prefix-store loads) are prefilled whole.
     max_prefill_tokens: the budget of a step in which no request decodes (prompt chunks only, so no

@@ -4,10 +4,14 @@
 Sarathi-Serve / vLLM v1 rule): every running request that already has a token decodes (one token
 each), then admission, then prompt chunks of the requests being prefilled, in admission order, up to
 the budget (``None``: whole prompts); a step with no decode (nothing waits on it) takes prompt tokens up to
-``max_prefill_tokens`` instead. A prompt the executor cannot split (``packs`` False: A3's chunked
-prompts, prefix-store loads, methods keeping their own KV) is scheduled whole, alone if it exceeds the
-budget. A chunk that leaves part of its prompt is a multiple of ``chunk_quantum`` tokens (``quantized_chunk``;
-CUDA: ``config.CUDA_CHUNK_QUANTUM``), so long prompts meet the same chunk shapes whatever the decodes beside them.
+``max_prefill_tokens`` instead. The step's first chunk takes the rest of its prompt whole where that rest fits
+the budget, even if the step's decode rows leave less room (the step then exceeds the budget by at most its
+decodes): a prompt is not split into a near-whole chunk and a remainder just because streams decode beside it.
+A prompt the executor cannot split (``packs`` False: A3's chunked prompts, prefix-store loads, methods keeping
+their own KV) is scheduled whole, alone if it exceeds the budget. A chunk that leaves part of its prompt is a
+multiple of ``chunk_quantum`` tokens (``quantized_chunk``; CUDA: ``config.CUDA_CHUNK_QUANTUM``), so long prompts
+meet the same chunk shapes whatever the decodes beside them; room of less than one quantum goes to a chunk only
+in a step with no other (no sliver of a second prompt beside the first's chunk).
 Admission is FIFO and needs a free state slot (MAC rings + other per-slot state, reset on
 acquire) and KV blocks for ``prompt + max_new_tokens``. Finishing releases both (the slot's states are
 reset again). A request sampled ``n`` times is admitted with its forks (``n`` slots; the forks' blocks
@@ -112,10 +116,13 @@ class Scheduler:
                 if prefills and L > left:     # whole prompts in admission order: it waits for a step of its own
                     break
                 end = L
-            else:
-                end = min(L, start + left)
-                if end < L:       # a chunk that leaves some of its prompt: a multiple of the quantum
-                    end = start + quantized_chunk(end - start, self.chunk_quantum)
+            elif L - start <= left + (0 if prefills else len(decodes)):
+                end = L           # the rest of the prompt, whole even where the step's decode rows leave less room
+            else:                 # a chunk that leaves some of its prompt: a multiple of the quantum
+                n = quantized_chunk(left, self.chunk_quantum)
+                if n < self.chunk_quantum and prefills:     # no sliver beside another chunk: it waits for a step
+                    break
+                end = start + n
             prefills.append(PrefillChunk(seq, start, end))
             if left is not None:
                 left -= end - start
