@@ -163,15 +163,22 @@ def test_a_segments_own_attention_replaces_the_causal_one_where_it_answers():
     torch.testing.assert_close(out[:, 8:], plain[:, 8:], rtol=0, atol=0)
 
 
-def test_the_continued_chunk_shapes_that_take_cudnn():
+def test_the_continued_chunk_shapes_that_take_cudnn(monkeypatch):
     """Every later part of a prompt prefilled in parts of ``Q`` tokens is ``Q`` queries over ``(j + 1) Q`` keys;
-    those ``uses_cudnn`` sends to cuDNN are the ones to build plans for (8B serving: 7,936-token parts at 32K)."""
-    assert continued_cudnn_shapes([7936], 33856) == [(7936, 31744)]
+    those with ``CUDNN_PLANNED_MIN_WORK`` get plans built (8B serving: 7,936-token parts up to 32K), after which
+    ``uses_cudnn`` sends them to cuDNN; an unbuilt shape of the same work stays on flash."""
+    assert continued_cudnn_shapes([7936], 33856) == [(7936, 15872), (7936, 23808), (7936, 31744)]
     assert continued_cudnn_shapes([32768], 33856) == []
-    assert continued_cudnn_shapes([7936, 7936, 100], 3 * 7936) == []
-    got = continued_cudnn_shapes([4096, 16384], 65536)
-    assert got == sorted(got) and all(S % Q == 0 and ragged.uses_cudnn(Q, S) for Q, S in got)
-    assert (16384, 32768) in got and (4096, 8192) not in got
+    assert continued_cudnn_shapes([7936, 7936, 100], 3 * 7936) == [(7936, 15872), (7936, 23808)]
+    got = continued_cudnn_shapes([2048, 4096, 16384], 65536)
+    assert got == sorted(got) and all(S % Q == 0 and Q * (S - Q) >= ragged.CUDNN_PLANNED_MIN_WORK for Q, S in got)
+    assert (16384, 32768) in got and (4096, 8192) in got and (2048, 4096) not in got
+    monkeypatch.setattr(ragged, "_PLANNED", set())
+    assert not ragged.uses_cudnn(7936, 15872) and not ragged.uses_cudnn(7936, 7936 + 6912)
+    ragged._PLANNED.add((7936, 15872))
+    assert ragged.uses_cudnn(7936, 15872) and not ragged.uses_cudnn(7936, 7936 + 6912)
+    ragged._PLANNED.add((1024, 2048))               # built, but below the work where cuDNN wins outright
+    assert not ragged.uses_cudnn(1024, 2048)
 
 
 @pytest.mark.gpu

@@ -52,11 +52,17 @@ CUDA_BACKENDS = {
 # — reaches this: 32 layers then save more than one build (fresh 16K: 88 ms saved; 8K over 16K: 85 ms;
 # 2K over 26K: 30 ms, stays on flash; below ~4K flash is faster outright).
 CUDNN_MIN_WORK = 1 << 27
+# A continued chunk whose plans are already built (``prewarm_cudnn_plans``, at start-up) pays no build: it runs
+# on cuDNN from this much work on, where cuDNN's kernels beat flash's outright (measured on the H100: an 8K
+# chunk over 8K-24K of history took 180-300 ms of attention on flash, ~2x cuDNN's rate, notes/serving.md)
+CUDNN_PLANNED_MIN_WORK = 1 << 24
+_PLANNED: set[tuple[int, int]] = set()      # (Q, S) of continued chunks whose cuDNN plans this process built
 
 
 def uses_cudnn(Q: int, S: int) -> bool:
     """Whether a causal segment of ``Q`` queries at the last ``Q`` of ``S`` keys runs on cuDNN (CUDA)."""
-    return (Q * Q // 2 if Q == S else Q * (S - Q)) >= CUDNN_MIN_WORK
+    work = Q * Q // 2 if Q == S else Q * (S - Q)
+    return work >= CUDNN_MIN_WORK or ((Q, S) in _PLANNED and work >= CUDNN_PLANNED_MIN_WORK)
 
 
 @dataclass(frozen=True)
@@ -125,14 +131,14 @@ def _cudnn_split(q, k, v, scale) -> torch.Tensor | None:
 
 
 def continued_cudnn_shapes(chunks, max_seq_len: int) -> list[tuple[int, int]]:
-    """The ``(Q, S)`` shapes of the continued chunks that ``causal_attention`` sends to cuDNN's split path when
+    """The ``(Q, S)`` shapes of the continued chunks worth cuDNN's split path once their plans are built, when
     prompts of up to ``max_seq_len`` tokens are prefilled in parts of each length in ``chunks``: the ``j``-th part
-    (``j >= 1``) is ``Q`` queries over ``S = (j + 1) Q`` keys."""
+    (``j >= 1``) is ``Q`` queries over ``S = (j + 1) Q`` keys, with at least ``CUDNN_PLANNED_MIN_WORK`` of work."""
     shapes = []
     for Q in sorted(set(chunks)):
         S = 2 * Q
         while Q > 0 and S <= max_seq_len:
-            if uses_cudnn(Q, S):
+            if Q * (S - Q) >= CUDNN_PLANNED_MIN_WORK:
                 shapes.append((Q, S))
             S += Q
     return shapes
@@ -142,8 +148,9 @@ def prewarm_cudnn_plans(shapes, num_q_heads: int, num_kv_heads: int, head_dim: i
                         device: torch.device) -> list[tuple[int, int]]:
     """Run ``split_causal_attention`` once per ``(Q, S)`` of ``shapes`` on zeros laid out as a packed prefill lays
     them out (token-major keys, ``segment_kv``), so cuDNN builds those execution plans now, not inside a served
-    step (~70 ms a shape, ~1.2 s the first of its kind, measured on the H100). Returns the shapes built (none where
-    cuDNN refuses the split, which then stays off for the device, as in ``causal_attention``)."""
+    step (~70 ms a shape, ~1.2 s the first of its kind, measured on the H100); ``uses_cudnn`` then sends those
+    shapes to cuDNN from ``CUDNN_PLANNED_MIN_WORK`` on. Returns the shapes built (none where cuDNN refuses the
+    split, which then stays off for the device, as in ``causal_attention``)."""
     built = []
     for Q, S in shapes:
         q = torch.zeros(1, num_q_heads, Q, head_dim, dtype=dtype, device=device)
@@ -151,6 +158,7 @@ def prewarm_cudnn_plans(shapes, num_q_heads: int, num_kv_heads: int, head_dim: i
         if _cudnn_split(q, kv, kv, head_dim ** -0.5) is None:
             break
         built.append((Q, S))
+        _PLANNED.add((Q, S))
     return built
 
 

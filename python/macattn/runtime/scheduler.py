@@ -9,9 +9,10 @@ the budget, even if the step's decode rows leave less room (the step then exceed
 decodes): a prompt is not split into a near-whole chunk and a remainder just because streams decode beside it.
 A prompt the executor cannot split (``packs`` False: A3's chunked prompts, prefix-store loads, methods keeping
 their own KV) is scheduled whole, alone if it exceeds the budget. A chunk that leaves part of its prompt is a
-multiple of ``chunk_quantum`` tokens (``quantized_chunk``; CUDA: ``config.CUDA_CHUNK_QUANTUM``), so long prompts
-meet the same chunk shapes whatever the decodes beside them; room of less than one quantum goes to a chunk only
-in a step with no other (no sliver of a second prompt beside the first's chunk).
+multiple of ``chunk_quantum`` tokens (``quantized_chunk``; CUDA: ``config.CUDA_CHUNK_QUANTUM``) and its step's first
+chunk, so a long prompt is cut at the same points whatever the decodes or other prompts beside it: its chunks
+over their history have the shapes whose cuDNN plans the server builds at start-up
+(``ModelExecutor.prewarm_graphs``).
 Admission is FIFO and needs a free state slot (MAC rings + other per-slot state, reset on
 acquire) and KV blocks for ``prompt + max_new_tokens``. Finishing releases both (the slot's states are
 reset again). A request sampled ``n`` times is admitted with its forks (``n`` slots; the forks' blocks
@@ -118,11 +119,10 @@ class Scheduler:
                 end = L
             elif L - start <= left + (0 if prefills else len(decodes)):
                 end = L           # the rest of the prompt, whole even where the step's decode rows leave less room
-            else:                 # a chunk that leaves some of its prompt: a multiple of the quantum
-                n = quantized_chunk(left, self.chunk_quantum)
-                if n < self.chunk_quantum and prefills:     # no sliver beside another chunk: it waits for a step
-                    break
-                end = start + n
+            elif prefills:        # a chunk that leaves part of its prompt is its step's first: the prompt waits
+                break
+            else:                 # a multiple of the quantum
+                end = start + quantized_chunk(left, self.chunk_quantum)
             prefills.append(PrefillChunk(seq, start, end))
             if left is not None:
                 left -= end - start
