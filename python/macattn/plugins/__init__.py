@@ -10,7 +10,6 @@ definition, plus the launch plans and the AOT images.
   and ``macattn::completion_cache`` (its prefill-time cache).
 * ``page_select/`` — the offloaded decode's page selector (Quest bounds per KV head, radix select).
 * ``page_fetch/`` — the offloaded decode's page gather from pinned host memory.
-* ``ring_seed/`` — a fresh prompt's MAC ring rows (all four rings) written in one launch at prefill.
 * ``decode_step/``, ``fp8_linear/`` — the decode step's norm / RoPE + KV append / SiLU·mul kernels and
   the weight-only FP8 GEMV.
 

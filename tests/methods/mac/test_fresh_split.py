@@ -12,7 +12,7 @@ from macattn.core.ragged import PrefillSegment, RaggedPrefill, ragged_attention_
 from macattn.methods.mac import backend, seeding
 from macattn.methods.mac.seeding import fresh_split_attention, seeded_ring_rows
 
-from _fresh_split import MUTATIONS, assert_same_rings, cases, mutant, packed_call, row_error, run_both, run_layer, \
+from _fresh_split import MUTATIONS, assert_same_rings, cases, mutant, packed_call, row_error, run_both, \
     use_stand_in_kernels
 
 K, B = 16, 4
@@ -96,27 +96,3 @@ def test_the_plan_joins_a_segments_parts_in_one_concatenation():
     split = plan.attend(0, q, k, v, 0.3, segment_attention=lambda i, q, k, v: (
         (whole[:, :2].transpose(1, 2), whole[:, 2:5].transpose(1, 2)) if i == 0 else None))
     assert torch.equal(split, whole)
-
-
-def test_each_fresh_row_is_written_by_one_seed_rows_call(monkeypatch):
-    """On the fused path each fresh segment keeping ring positions writes its row by one ``plugins.ring_seed`` call
-    (the reference here, the Triton launcher on CUDA) with its slot, never through ``seeded_ring_rows``' whole rows."""
-    use_stand_in_kernels(monkeypatch)
-    real, slots = seeding.seed_rows_for, []
-
-    def spy(device):
-        op = real(device)
-
-        def counted(*args):
-            slots.append(int(args[4]))
-            return op(*args)
-        return counted
-
-    def whole_rows(*args, **kw):
-        raise AssertionError("the fused path built whole rows")
-
-    monkeypatch.setattr(seeding, "seed_rows_for", spy)
-    monkeypatch.setattr(seeding, "seeded_ring_rows", whole_rows)
-    p = packed_call(CASES["mixed"][0], Hq=4, Hkv=2, d=16, dtype=torch.float64, device="cpu", seed=3)
-    run_layer(p, window=K, band=B)
-    assert slots == [s.slot for s in p.plan.segments if s.start == 0 and s.last_positions(K) > 0]

@@ -212,11 +212,11 @@ class MacAttention(AttentionMethod):
               summary: AttentionSummary | None = None) -> None:
         """Seed ring rows ``slots [B]`` from a prefill call: ``query / q_pre [B, Hq, T, d]`` at the last
         ``T`` positions of ``key / value [B, Hkv, S, d]``. A fresh prompt (``S == T``) resets and seeds
-        whole rows (``seed_rings_``: one launch on CUDA, traceable tensor ops elsewhere; ``rings``: the export's
-        explicit ring tensors); a chunk after earlier ones writes its last ``min(K, T, keep)`` positions on top
-        of the row (``keep``: how many of them later chunks leave in the ring; ``host_slots``: ``slots`` as ints,
-        where the caller has them, so the host does not wait for the GPU to read them back; ``summary``: the
-        rectified summaries its attention already made, ``band_split_attention``'s far part of a chunk's queries or
+        whole rows with tensor ops (traceable; ``rings``: the export's explicit ring tensors); a chunk
+        after earlier ones writes its last ``min(K, T, keep)`` positions on top of the row (``keep``: how
+        many of them later chunks leave in the ring; ``host_slots``: ``slots`` as ints, where the caller has
+        them, so the host does not wait for the GPU to read them back; ``summary``: the rectified summaries its
+        attention already made, ``band_split_attention``'s far part of a chunk's queries or
         ``fresh_split_attention``'s of a fresh prompt's last ``min(K, T)``)."""
         T, S = query.shape[2], key.shape[2]
         if S == T:

@@ -3,8 +3,7 @@
 ``MacState.seed`` (the eager path) loops over requests in Python; this module computes
 the same ring contents as whole ring rows so ``torch.export`` / ONNX see one static
 graph with dynamic batch and prompt length. Prompt length ``L`` is shared by the batch
-(no padding); the prompt occupies positions ``0 .. L-1``. On CUDA (eager) ``seed_rings_`` writes
-those rows with one launch instead (``macattn.plugins.ring_seed``).
+(no padding); the prompt occupies positions ``0 .. L-1``.
 
 Shapes (``B`` requests, ``S`` ring slots, ``Hq`` query heads, ``Hkv`` KV heads, ``K``
 the layer's window, ``d`` head dim):
@@ -27,7 +26,6 @@ from macattn.core.flash_split import flash_forward, flash_lower_right
 from macattn.core.ragged import causal_attention, uses_cudnn
 from macattn.core.summaries import AttentionSummary, summarize
 from macattn.methods.mac.reference import rectified_summaries_reference
-from macattn.plugins.ring_seed import seed_rows_for
 
 __all__ = ["seeded_ring_rows", "seed_rings_", "tail_summaries", "fused_seeding_applies", "band_split_applies",
            "band_split_attention", "fresh_split_attention"]
@@ -225,17 +223,9 @@ def _full_columns(L: int, K: int, device: torch.device) -> tuple[torch.Tensor, t
 
 def seed_rings_(rings, slots: torch.Tensor, query: torch.Tensor, q_pre: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, *, band: int, scale: float, summary: AttentionSummary | None = None) -> None:
-    """Write fresh seeded rows into ``rings = (qring, oring, ring_lse, ring_pos)`` at ``slots [B]`` int64, in place
-    (``summary``: as ``seeded_ring_rows``'). On the fused path (``fused_seeding_applies``: CUDA, eager) the rows are
-    written from the summaries of the last ``min(K, L)`` positions by one launch (``plugins.ring_seed``, the same
-    values), not gathered into whole rows first; elsewhere (the CPU, export's trace) by ``seeded_ring_rows``."""
+    """Write fresh seeded rows into ``rings = (qring, oring, ring_lse, ring_pos)`` at ``slots``, in place
+    (``summary``: as ``seeded_ring_rows``')."""
     qring, oring, ring_lse, ring_pos = rings
-    if fused_seeding_applies(query):
-        L = query.shape[2]
-        if summary is None:
-            summary = tail_summaries(query[:, :, L - min(qring.shape[2], L):], key, value, band=band, scale=scale)
-        seed_rows_for(query.device)(qring, oring, ring_lse, ring_pos, slots, q_pre, summary.o, summary.lse)
-        return
     q_rows, o_rows, lse_rows, pos_rows = seeded_ring_rows(query, q_pre, key, value, window=qring.shape[2],
                                                           band=band, scale=scale, summary=summary)
     qring.index_copy_(0, slots, q_rows.to(qring.dtype))
