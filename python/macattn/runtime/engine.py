@@ -3,7 +3,8 @@
 ``LLMEngine.add_request`` validates a request completely before it is queued (a bad
 request raises ``ValueError`` / ``TypeError`` naming the parameter and touches nothing
 else); ``step`` decodes the running batch, prefills newly admitted requests and returns
-one ``StepOutput`` per request that produced a token or finished. Not thread-safe: one
+one ``StepOutput`` per request that produced a token or finished (with async scheduling, the previous step's:
+``runtime/in_flight.py``). Not thread-safe: one
 thread drives an engine (the Triton model drives it from its own loop thread).
 
 ``add_request(..., n=k)`` samples one prompt ``k`` times: the prompt is prefilled once, then ``k - 1``
