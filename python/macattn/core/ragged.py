@@ -59,9 +59,15 @@ CUDNN_PLANNED_MIN_WORK = 1 << 24
 _PLANNED: set[tuple[int, int]] = set()      # (Q, S) of continued chunks whose cuDNN plans this process built
 
 
+def attention_work(Q: int, S: int) -> int:
+    """Query x key pairs of a causal segment of ``Q`` queries at the last ``Q`` of ``S`` keys: ``Q^2 / 2`` for a
+    fresh one, ``Q x (S - Q)`` (the earlier keys) for a continued chunk."""
+    return Q * Q // 2 if Q == S else Q * (S - Q)
+
+
 def uses_cudnn(Q: int, S: int) -> bool:
     """Whether a causal segment of ``Q`` queries at the last ``Q`` of ``S`` keys runs on cuDNN (CUDA)."""
-    work = Q * Q // 2 if Q == S else Q * (S - Q)
+    work = attention_work(Q, S)
     return work >= CUDNN_MIN_WORK or ((Q, S) in _PLANNED and work >= CUDNN_PLANNED_MIN_WORK)
 
 
@@ -138,7 +144,7 @@ def continued_cudnn_shapes(chunks, max_seq_len: int) -> list[tuple[int, int]]:
     for Q in sorted(set(chunks)):
         S = 2 * Q
         while Q > 0 and S <= max_seq_len:
-            if Q * (S - Q) >= CUDNN_PLANNED_MIN_WORK:
+            if attention_work(Q, S) >= CUDNN_PLANNED_MIN_WORK:
                 shapes.append((Q, S))
             S += Q
     return shapes

@@ -177,7 +177,7 @@ class CudaDecoder:
         b.inputs.wait_copied()
         n, bs = len(seqs), ex.config.block_size
         m = [s.num_tokens - 1 for s in seqs]
-        h["ids"][:n, 0] = [0 if s.num_pending else s.output[-1] for s in seqs]   # pending: ``TokenFeed.write``
+        h["ids"][:n, 0] = [s.last_token_on_host for s in seqs]
         h["ids"][n:] = 0
         h["positions"][:n] = m
         h["positions"][n:] = 0

@@ -403,8 +403,7 @@ class ModelExecutor:
             return self.decoder.step(seqs, feed)[1]
         B = len(seqs)
         m = [s.num_tokens - 1 for s in seqs]
-        ids = torch.tensor([[0 if s.num_pending else s.output[-1]] for s in seqs], dtype=torch.int64,
-                           device=self.device)
+        ids = torch.tensor([[s.last_token_on_host] for s in seqs], dtype=torch.int64, device=self.device)
         if feed is not None:
             feed.write(ids, seqs)
         positions = torch.tensor(m, dtype=torch.int64, device=self.device)

@@ -79,6 +79,12 @@ class Sequence:
         return len(self.output) + self.num_pending
 
     @property
+    def last_token_on_host(self) -> int:
+        """The token the next decode step feeds, as the host knows it: the last of ``output``, or 0 while it is
+        pending (the step then takes it from the device: ``runtime/in_flight.TokenFeed``)."""
+        return 0 if self.num_pending else self.output[-1]
+
+    @property
     def max_tokens(self) -> int:
         """Positions this request can ever occupy: prompt + max_new_tokens."""
         return len(self.prompt) + self.sampling.max_new_tokens
