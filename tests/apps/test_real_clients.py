@@ -30,9 +30,10 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 PROMPT = "In the beginning God created"
 
 
-@pytest.fixture(scope="module")
-def served():
-    llm = LLM("builtin", max_batch_size=4)
+@pytest.fixture(scope="module", params=[False, True], ids=["serial", "async"])
+def served(request):
+    """The server with serial engine steps (the CPU default) and with async scheduling (CUDA's default)."""
+    llm = LLM("builtin", max_batch_size=4, async_scheduling=request.param)
     with serving(llm) as url:
         yield llm, openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
 
