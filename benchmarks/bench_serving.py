@@ -99,14 +99,23 @@ RANDOM_8B = "llama8b-random"
 
 # --- the client -----------------------------------------------------------------------------------
 def _pct(xs: list[float], q: float) -> float | None:
+    """The ``q``-th percentile, linearly interpolated between the two nearest ranks (numpy's default, which
+    vLLM's ``benchmark_serving`` reports): the p50 of 4 requests is the mean of the 2nd and 3rd. Until the
+    eighth session this took the rank ``round(q / 100 * (n - 1))``, the 3rd of 4 (``benchmarks/notes/serving.md``)."""
     if not xs:
         return None
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+    pos = q / 100 * (len(xs) - 1)
+    lo = int(pos)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (pos - lo)
 
 
 def _stats(xs: list[float]) -> dict:
-    return {"p50": _pct(xs, 50), "p99": _pct(xs, 99), "mean": statistics.fmean(xs) if xs else None, "n": len(xs)}
+    """p50 / p99 / mean / n, and every value (sorted) where there are at most 16 (a few long requests' TTFTs)."""
+    out = {"p50": _pct(xs, 50), "p99": _pct(xs, 99), "mean": statistics.fmean(xs) if xs else None, "n": len(xs)}
+    if 0 < len(xs) <= 16:
+        out["sorted"] = sorted(xs)
+    return out
 
 
 async def run(url: str, model: str, args=None, *, num_prompts: int | None = None, input_len: int | None = None,

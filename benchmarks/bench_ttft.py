@@ -125,7 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--floor", action="store_true", help="measure the prefill floor of each mix (bench_prefill_floor)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the timed runs, one run under torch.profiler; print its N costliest ops")
-    ap.add_argument("--trace", default=None, metavar="PATH", help="with --profile: the profiled run's Chrome trace")
+    ap.add_argument("--trace", default=None, metavar="PATH",
+                    help="with --profile: the profiled run's Chrome trace; '{mix}' / '{mac}' in PATH name each run's")
     ap.add_argument("--question", type=int, default=0, metavar="Q",
                     help="multi-turn: a fresh Q-token question after one cached L-token document (module doc)")
     ap.add_argument("--out", default=None)
@@ -155,7 +156,8 @@ def main(argv=None) -> int:
         for budget in args.budgets:
             for mac in args.mac:
                 ts = ttft(model, B, L, budget, mac == "on", args.device, args.reps, profile=args.profile,
-                          question=args.question, trace=args.trace)
+                          question=args.question,
+                          trace=args.trace.format(mix=mix, mac=mac) if args.trace else None)
                 rec = {"mix": mix, "B": B, "L": L, "budget": budget, "mac": mac, "floor_s": floor}
                 if args.question:
                     first, ts = ts[0], ts[1:]

@@ -246,3 +246,14 @@ def test_seeded_match_query_captures_in_a_cuda_graph():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, m.match_query(1, q)) and not torch.equal(out, ref)
+
+
+def test_percentiles_interpolate_between_ranks_as_numpy_does():
+    """The p50 of four requests is the mean of the 2nd and 3rd (numpy's linear percentile, vLLM's benchmark's);
+    every value of a short workload is kept."""
+    xs = [4.0, 1.0, 3.0, 2.0]
+    assert serving._pct(xs, 50) == 2.5 and serving._pct(xs, 0) == 1.0 and serving._pct(xs, 100) == 4.0
+    many = [float(i) for i in range(101)]
+    assert serving._pct(many, 99) == 99.0 and abs(serving._pct(many[:100], 99) - 98.01) < 1e-9
+    assert serving._stats(xs)["sorted"] == [1.0, 2.0, 3.0, 4.0] and "sorted" not in serving._stats(many)
+    assert serving._pct([], 50) is None

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from macattn.core import flash_split
-from macattn.core.flash_split import flash_lower_right, flash_lower_right_reference, kv_splits
+from macattn.core.flash_split import (flash_lower_right, flash_lower_right_reference, flash_varlen,
+                                      flash_varlen_reference, kv_splits)
 from macattn.core.ragged import ragged_attention_reference
 
 
@@ -82,3 +83,60 @@ def test_flash_lower_right_on_cuda_equals_the_definition(n, K, splits, Hq, Hkv, 
     err = (out.double() - ref_out).norm() / ref_out.norm()
     assert err < 1e-2, err
     assert (lse.double() - ref_lse).abs().max() < 1e-2
+
+
+def _varlen_inputs(lengths, used, Hq, Hkv, d, dtype, device, seed):
+    """Packed queries (``lengths``) and keys (each sequence's keys ``lengths[b]`` rows, of which ``used[b]`` count)."""
+    g = torch.Generator().manual_seed(seed)
+    N = sum(lengths)
+    q, k, v = (torch.randn(N, h, d, generator=g).to(device, dtype) for h in (Hq, Hkv, Hkv))
+    cu = torch.tensor([0] + lengths).cumsum(0).to(device=device, dtype=torch.int32)
+    seq = None if used is None else torch.tensor(used, dtype=torch.int32, device=device)
+    return q, k, v, cu, seq
+
+
+VARLEN_CASES = [([7], None), ([5, 1, 12], None), ([9, 4, 6], [5, 0, 6]), ([3, 8], [1, 8])]
+
+
+@pytest.mark.parametrize("lengths,used", VARLEN_CASES)
+@pytest.mark.parametrize("Hq,Hkv", [(4, 2), (3, 3)])
+def test_the_varlen_reference_is_each_sequence_bottom_right_causal(lengths, used, Hq, Hkv):
+    """Sequence by sequence the reference is ``flash_lower_right_reference`` over its first ``used`` keys; the
+    queries of a sequence whose keys end before them (``n > used``) see none: out 0, lse -inf."""
+    q, k, v, cu, seq = _varlen_inputs(lengths, used, Hq, Hkv, 8, torch.float64, "cpu", seed=sum(lengths))
+    out, lse = flash_varlen_reference(q, k, v, cu, cu, max(lengths), max(lengths), scale=0.3, seqused_k=seq)
+    assert out.shape == q.shape and lse.shape == (Hq, q.shape[0]) and lse.dtype == torch.float32
+    off = 0
+    for b, n in enumerate(lengths):
+        m = n if used is None else used[b]
+        qs, o, l = q[off: off + n], out[off: off + n], lse[:, off: off + n]
+        seen = m - n + torch.arange(n) >= 0                     # queries with at least one key
+        if m > 0 and seen.any():
+            ro, rl = flash_lower_right_reference(qs[seen].transpose(0, 1).unsqueeze(0),
+                                                 k[off: off + m].transpose(0, 1).unsqueeze(0),
+                                                 v[off: off + m].transpose(0, 1).unsqueeze(0), 0.3)
+            torch.testing.assert_close(o[seen], ro[0].transpose(0, 1), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(l[:, seen], rl[0].float(), rtol=1e-6, atol=1e-6)
+        assert (o[~seen] == 0).all() and (l[:, ~seen] == float("-inf")).all()
+        off += n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("lengths,used", VARLEN_CASES + [([1024] * 4, [768] * 4), ([1000, 1, 300, 2048], None)])
+@pytest.mark.parametrize("Hq,Hkv", [(32, 8), (4, 4)])
+def test_flash_varlen_on_cuda_equals_the_reference(lengths, used, Hq, Hkv):
+    """torch's flash varlen forward in bf16 (token-major views of a fused QKV buffer, as the packed prefill passes)
+    against the fp32 reference: outputs within bf16 rounding, lse within 2e-2, empty rows exactly 0 / -inf."""
+    d = 128
+    q, k, v, cu, seq = _varlen_inputs(lengths, used, Hq, Hkv, d, torch.bfloat16, "cuda", seed=len(lengths))
+    fused = torch.cat([q, k, v], 1)                          # [N, Hq + 2 Hkv, d]: strided head views
+    q, k, v = fused[:, :Hq], fused[:, Hq: Hq + Hkv], fused[:, Hq + Hkv:]
+    out, lse = flash_varlen(q, k, v, cu, cu, max(lengths), max(lengths), scale=d ** -0.5, seqused_k=seq)
+    ro, rl = flash_varlen_reference(q, k, v, cu, cu, 0, 0, scale=d ** -0.5, seqused_k=seq)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16 and lse.shape == (Hq, q.shape[0])
+    empty = torch.isinf(rl)
+    assert torch.equal(torch.isinf(lse), empty) and bool((lse[empty] < 0).all())
+    assert (out.float().transpose(0, 1)[empty] == 0).all()
+    assert ((out.float() - ro.float()).norm() / ro.float().norm()) < 1e-2
+    assert (lse[~empty] - rl[~empty]).abs().max() < 2e-2

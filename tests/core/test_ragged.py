@@ -190,3 +190,34 @@ def test_prewarm_builds_the_split_plans_and_the_split_still_answers(monkeypatch)
     assert ragged._SPLIT_OK.get(dev, True)
     out, ref = _run([(10240, 2048)], 32, 8, 128, torch.bfloat16, "cuda", seed=11)
     assert ((out.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+FRESH_CASES = [[(0, 7)], [(0, 1)], [(0, 9), (0, 4), (0, 1), (0, 33)]]
+
+
+@pytest.mark.parametrize("case", FRESH_CASES)
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (6, 1)])
+def test_fresh_segments_as_one_varlen_call_equal_the_definition(case, Hq, Hkv, monkeypatch):
+    """Every segment fresh: the plan takes one ``varlen_attention`` call (forced on the CPU, where it is
+    ``flash_varlen_reference``) and still equals the definition; ``each`` still sees every segment's keys."""
+    calls = []
+    real = ragged.varlen_attention
+    monkeypatch.setattr(ragged, "varlen_applies", lambda query: True)
+    monkeypatch.setattr(ragged, "varlen_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out, ref = _run(case, Hq, Hkv, 16, torch.float64, "cpu", seed=len(case) + Hkv)
+    assert calls == [1] * 1
+    torch.testing.assert_close(out.to(ref.dtype), ref, rtol=1e-12, atol=1e-12)
+
+
+def test_a_call_with_a_continued_segment_is_not_varlen(monkeypatch):
+    monkeypatch.setattr(ragged, "varlen_applies", lambda query: True)
+    q = torch.zeros(1, 2, 5, 4)
+    fresh = RaggedPrefill([PrefillSegment(0, 2, 0, 0), PrefillSegment(2, 3, 0, 1)], [None], [None])
+    cont = RaggedPrefill([PrefillSegment(0, 2, 0, 0), PrefillSegment(2, 3, 4, 1, history=torch.arange(4))],
+                         [None], [None])
+    v = fresh.varlen(q)
+    assert v.cu.tolist() == [0, 2, 5] and v.cu.dtype == torch.int32 and v.max_len == 3
+    assert fresh.varlen(q) is v                               # made once per call
+    assert cont.varlen(q) is None
+    monkeypatch.setattr(ragged, "varlen_applies", lambda query: False)
+    assert RaggedPrefill([PrefillSegment(0, 2, 0, 0)], [None], [None]).varlen(q) is None

@@ -8,6 +8,11 @@ H100's 132 SMs about one wave and a straggling remainder. Measured on the H100: 
 ``flash_lower_right`` splits the keys that every query sees into ``s`` equal parts run as one batched flash call
 (``s`` times the programs), runs the rest bottom-right causal, and merges the parts by their log-sum-exps:
 FlashDecoding's split-KV, for a block of queries. ``kv_splits`` picks ``s``.
+
+``flash_varlen`` is the same flash forward over several sequences packed back to back (FlashAttention's
+``cu_seqlens`` layout): one launch for a packed prefill's fresh segments instead of one per segment, which at
+1K-token segments is host- and launch-bound (``benchmarks/notes/serving.md``, sixth pass).
+``flash_varlen_reference`` is its plain-torch definition.
 """
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ import functools
 
 import torch
 
-__all__ = ["flash_forward", "flash_lower_right", "flash_lower_right_reference", "kv_splits", "BLOCK_M",
+__all__ = ["flash_forward", "flash_lower_right", "flash_lower_right_reference", "flash_varlen", "flash_varlen_reference",
+           "kv_splits", "BLOCK_M",
            "MIN_SPLIT_KEYS", "PROGRAMS_PER_SM"]
 
 BLOCK_M = 128
@@ -52,6 +58,57 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     out, lse = torch.ops.aten._flash_attention_forward(q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal,
                                                        False, scale=scale, **window)[:2]
     return out, lse
+
+
+def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                 max_q: int, max_k: int, *, scale: float, seqused_k: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bottom-right causal flash attention of ``B`` packed sequences: ``q [Nq, Hq, d]``, ``k / v [Nk, Hkv, d]``
+    (CUDA, fp16 / bf16, ``Hq`` a multiple of ``Hkv``, contiguous last dimension), ``cu_q / cu_k [B + 1]`` int32 on
+    their device. Sequence ``b``'s queries are rows ``cu_q[b] .. cu_q[b + 1] - 1``, its keys the first
+    ``seqused_k[b]`` (default: all ``cu_k[b + 1] - cu_k[b]``) rows from ``cu_k[b]``; query ``i`` of ``n`` over
+    ``m`` keys sees keys ``0 .. m - n + i``. ``max_q / max_k``: the longest query / key count (host ints).
+    Returns ``(out [Nq, Hq, d] in q's dtype, lse [Hq, Nq] fp32)``; a query that sees no key gets ``out = 0``,
+    ``lse = -inf`` (the kernel's ``+inf`` for an empty row, replaced)."""
+    Nq, Hq = q.shape[0], q.shape[1]
+    if max_k <= 0:
+        return q.new_zeros(q.shape[0], Hq, v.shape[-1]), q.new_full((Hq, Nq), float("-inf"), dtype=torch.float32)
+    out, lse = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
+                                                       scale=scale, seqused_k=seqused_k)[:2]
+    if lse.dim() == 3:      # a flash build that pads the log-sum-exp per sequence: [B, Hq, max_q]
+        rows = torch.arange(Nq, device=q.device)
+        seq = torch.searchsorted(cu_q[1:].long(), rows, right=True)
+        lse = lse[seq, :, rows - cu_q.long()[seq]].transpose(0, 1)
+    return out, lse.float().masked_fill(lse == float("inf"), float("-inf"))
+
+
+def flash_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                           cu_k: torch.Tensor, max_q: int, max_k: int, *, scale: float,
+                           seqused_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition of ``flash_varlen`` in plain torch (explicit masks, fp32 / fp64 math), same arguments:
+    ``(out [Nq, Hq, d] in q's dtype, lse [Hq, Nq] fp32)``. ``max_q / max_k`` are not needed here."""
+    Nq, Hq, d = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(Nq, Hq, v.shape[-1], dtype=acc, device=q.device)
+    lse = torch.full((Hq, Nq), float("-inf"), dtype=acc, device=q.device)
+    g = Hq // k.shape[1]
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    used = None if seqused_k is None else seqused_k.tolist()
+    for b in range(len(cq) - 1):
+        n, m = cq[b + 1] - cq[b], (ck[b + 1] - ck[b]) if used is None else used[b]
+        if n == 0 or m <= 0:
+            continue
+        qb = q[cq[b]: cq[b + 1]].to(acc).transpose(0, 1)                                   # [Hq, n, d]
+        kb = k[ck[b]: ck[b] + m].to(acc).repeat_interleave(g, 1).transpose(0, 1)          # [Hq, m, d]
+        vb = v[ck[b]: ck[b] + m].to(acc).repeat_interleave(g, 1).transpose(0, 1)
+        logits = (qb @ kb.transpose(-1, -2)) * scale                                       # [Hq, n, m]
+        seen = torch.arange(m, device=q.device).view(1, m) <= (m - n + torch.arange(n, device=q.device)).view(n, 1)
+        logits = logits.masked_fill(~seen, float("-inf"))
+        l = torch.logsumexp(logits, -1)                                                    # [Hq, n]
+        p = torch.exp(logits - l.unsqueeze(-1)).nan_to_num(0.0)                            # empty rows: 0
+        out[cq[b]: cq[b + 1]] = (p @ vb).transpose(0, 1)
+        lse[:, cq[b]: cq[b + 1]] = l
+    return out.to(q.dtype), lse.float()
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:

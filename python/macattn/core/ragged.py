@@ -10,7 +10,9 @@ Each segment's causal attention is one call of torch's ``scaled_dot_product_atte
 tensors: ``is_causal`` for a fresh segment (``start == 0``: the square causal mask, which every fused
 backend takes), ``causal_lower_right`` for a chunk after earlier chunks (query ``j`` of the chunk sees
 keys ``0 .. start + j``; flash / memory-efficient kernels take it without a mask). No ``n x n`` mask
-is ever materialised. On CUDA a segment runs on cuDNN only where its attention is large enough to repay
+is ever materialised. A call whose segments are all fresh and below cuDNN's size (``RaggedPrefill.varlen``) runs
+as one flash call over the packed tokens (``core.flash_split.flash_varlen``, FlashAttention's ``cu_seqlens``)
+instead of one call per segment. On CUDA a segment runs on cuDNN only where its attention is large enough to repay
 cuDNN's per-shape plan build (``uses_cudnn``), else on flash; the backends are tried in the order
 ``CUDA_BACKENDS`` gives, chosen by measurement (``benchmarks/bench_prefill_floor.py``;
 ``benchmarks/notes/serving.md``, "Serving at the hardware floor").
@@ -28,10 +30,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from macattn.core.attention import expand_kv_heads
-from macattn.core.flash_split import flash_lower_right, kv_splits
+from macattn.core.flash_split import flash_lower_right, flash_varlen, flash_varlen_reference, kv_splits
 
-__all__ = ["PrefillSegment", "RaggedPrefill", "causal_attention", "split_causal_attention", "ragged_attention_reference",
-           "continued_cudnn_shapes", "prewarm_cudnn_plans",
+__all__ = ["PrefillSegment", "RaggedPrefill", "Varlen", "causal_attention", "split_causal_attention",
+           "ragged_attention_reference", "continued_cudnn_shapes", "prewarm_cudnn_plans", "varlen_applies",
+           "varlen_attention",
            "CUDA_BACKENDS", "CUDNN_MIN_WORK", "uses_cudnn"]
 
 # SDPA backends for prefill on CUDA, in priority order (the dispatcher skips one that cannot take the
@@ -97,6 +100,28 @@ class PrefillSegment:
         """How many of this chunk's positions are among the prompt's last ``n`` (0 .. ``length``)."""
         end = self.end if self.prompt_end is None else self.prompt_end
         return max(0, self.end - max(self.start, end - n))
+
+
+def varlen_applies(query: torch.Tensor) -> bool:
+    """Whether packed fresh segments of ``query`` run as one ``flash_varlen`` call: CUDA, fp16 / bf16, head dim
+    <= 256, not while tracing (the CPU keeps one SDPA call per segment, the tests' reference path)."""
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256
+            and not torch.jit.is_tracing() and not torch.compiler.is_compiling())
+
+
+def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, seqused_k=None):
+    """``flash_varlen`` on CUDA, its plain-torch definition elsewhere (same arguments and results)."""
+    run = flash_varlen if q.is_cuda else flash_varlen_reference
+    return run(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, seqused_k=seqused_k)
+
+
+@dataclass(frozen=True)
+class Varlen:
+    """A packed call's fresh segments as one flash call: ``cu [B + 1]`` int32 (the segments' offsets and the
+    call's token count, on the query's device) and ``max_len`` (the longest segment)."""
+
+    cu: torch.Tensor
+    max_len: int
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -207,6 +232,26 @@ class RaggedPrefill:
         self.k_pool, self.v_pool = k_pool, v_pool
         self.num_tokens = segments[-1].offset + segments[-1].length
         self._slot_rows: dict = {}
+        self._memo: dict = {}
+
+    def memo(self, key, build):
+        """``build()``'s result, made once per call under ``key`` (per-call index tensors a method derives from
+        the segments, shared by every layer)."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+    def varlen(self, query: torch.Tensor) -> Varlen | None:
+        """The call as one ``flash_varlen`` call, where every segment is fresh (``start == 0``) and runs on flash
+        (not ``uses_cudnn``) and ``varlen_applies(query)``; else None (one call per segment)."""
+        if not varlen_applies(query) or any(s.start or uses_cudnn(s.length, s.length) for s in self.segments):
+            return None
+
+        def build() -> Varlen:
+            cu = [s.offset for s in self.segments] + [self.num_tokens]
+            return Varlen(torch.tensor(cu, dtype=torch.int32, device=query.device),
+                          max(s.length for s in self.segments))
+        return self.memo(("varlen", query.device), build)
 
     def slot_row(self, i: int, device: torch.device) -> torch.Tensor:
         """Segment ``i``'s state slot as a ``[1]`` int64 tensor on ``device`` (made once per call, not per layer)."""
@@ -244,7 +289,15 @@ class RaggedPrefill:
         ``segment_attention(i, q, k, v)``, when given, may compute segment ``i``'s causal attention itself
         (``[1, Hq, Q, d]``, or a tuple of consecutive query rows' parts ``[1, Hq, Q_j, d]`` that the call's one
         concatenation joins; e.g. with the method's state as a by-product) or return None for
-        ``causal_attention``'s; it runs before ``each(i, k, v)``."""
+        ``causal_attention``'s; it runs before ``each(i, k, v)``. Without it, a call of fresh segments on flash runs
+        as one ``flash_varlen`` call (``varlen``)."""
+        packed = None if segment_attention is not None else self.varlen(query)
+        if packed is not None:
+            q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))         # token-major [N, H, d]
+            out = varlen_attention(q, k, v, packed.cu, packed.cu, packed.max_len, packed.max_len, scale=scale)[0]
+            for i in range(len(self.segments) if each is not None else 0):
+                each(i, *self.segment_kv(layer, i, key, value))
+            return out.unsqueeze(0)
         outs = []
         for i, seg in enumerate(self.segments):
             k, v = self.segment_kv(layer, i, key, value)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from macattn.core import flash_split
+from macattn.core import flash_split, ragged
 from macattn.core.ragged import PrefillSegment, RaggedPrefill
 from macattn.methods.base import ModelDims, StepContext
 from macattn.methods.mac import backend, seeding
@@ -95,8 +95,8 @@ def run_layer(p: Packed, *, window: int, band: int) -> tuple[torch.Tensor, list[
 
 
 def run_both(monkeypatch, p: Packed, *, window: int, band: int):
-    """``run_layer`` with the split (returns ``(out, rings, taken)``: ``taken`` whether each call of
-    ``fresh_split_attention`` split) and with it forced off (``(out, rings)``)."""
+    """``run_layer`` one segment at a time with the split (returns ``(out, rings, taken)``: ``taken`` whether each
+    call of ``fresh_split_attention`` split) and with it forced off (``(out, rings)``)."""
     real, taken = backend.fresh_split_attention, []
 
     def spy(*args, **kw):
@@ -104,13 +104,45 @@ def run_both(monkeypatch, p: Packed, *, window: int, band: int):
         taken.append(got is not None)
         return got
 
-    with monkeypatch.context() as m:
+    with monkeypatch.context() as m:      # one segment at a time: a call of fresh segments seeded at once
+        m.setattr(ragged, "varlen_applies", lambda query: False)       # never calls the split (test_packed_seeding)
         m.setattr(backend, "fresh_split_attention", spy)
         new = run_layer(p, window=window, band=band)
-    with monkeypatch.context() as m:
         m.setattr(backend, "fresh_split_attention", lambda *args, **kw: None)
         old = run_layer(p, window=window, band=band)
     return (*new, taken), old
+
+
+def packed_cases(K: int, b: int) -> dict[str, list[Seg]]:
+    """Packed calls of fresh segments only (``seeding.packed_seeding_applies``), in units of the window ``K`` and band
+    ``b``: one prompt of ``K + b - 1`` (the longest that takes it), prompts within the window, one of one token and
+    of ``b`` (no far keys), a first chunk keeping no ring position, one keeping some (its row written whole), and
+    every one of them in one call."""
+    every = [Seg(0, K + b - 1), Seg(0, K - 3), Seg(0, 1), Seg(0, b), Seg(0, K), Seg(0, b // 2, prompt_end=3 * K),
+             Seg(0, K, prompt_end=K + b // 2), Seg(0, b + 1)]
+    return {"longest": [Seg(0, K + b - 1)], "within_window": [Seg(0, K - 3), Seg(0, K // 2)],
+            "no_far_keys": [Seg(0, 1), Seg(0, b)], "first_chunks": every[5:7], "every": every}
+
+
+def run_packed_and_loop(monkeypatch, p: Packed, *, window: int, band: int, force: bool = False):
+    """``run_layer`` through the packed seeding (``seed_packed_``; ``force``: on the CPU too, with
+    ``flash_varlen_reference``) and with it off (one segment at a time): ``((out, rings, calls), (out, rings))``,
+    ``calls`` the packed seeding's call count."""
+    real, calls = seeding.seed_packed_, []
+
+    def spy(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(backend, "seed_packed_", spy)
+        if force:
+            m.setattr(ragged, "varlen_applies", lambda query: True)
+        new = run_layer(p, window=window, band=band)
+    with monkeypatch.context() as m:
+        m.setattr(ragged, "varlen_applies", lambda query: False)
+        old = run_layer(p, window=window, band=band)
+    return (*new, len(calls)), old
 
 
 def row_error(a: torch.Tensor, b: torch.Tensor) -> float:

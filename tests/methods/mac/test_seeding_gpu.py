@@ -3,7 +3,9 @@ fp32 reference (``rectified_summaries_reference``): fresh random bf16 inputs, GQ
 longer than the band, a whole seeded ring row against the reference seeding; a continued chunk's attention split
 at the band (``band_split_attention``) against plain causal attention and the reference summaries; a fresh segment's
 split (``fresh_split_attention``) against the definition, and packed MAC layers with it against the unsplit path
-(``_fresh_split``; the same cases run on the CPU with stand-in kernels in ``test_fresh_split.py``). Marked ``gpu``."""
+(``_fresh_split``; the same cases run on the CPU with stand-in kernels in ``test_fresh_split.py``); packed fresh
+segments seeded at once (``seed_packed_``, torch's flash varlen) against one segment at a time
+(``test_packed_seeding.py`` on the CPU). Marked ``gpu``."""
 from __future__ import annotations
 
 import math
@@ -17,8 +19,8 @@ from macattn.methods.mac import backend
 from macattn.methods.mac.seeding import (band_split_applies, band_split_attention, fresh_split_attention,
                                          fused_seeding_applies, seeded_ring_rows, tail_summaries)
 
-from _fresh_split import (MUTATIONS, Seg, assert_same_rings, cases, fresh_tails, mutant, packed_call, row_error,
-                          run_both)
+from _fresh_split import (MUTATIONS, POISON_POS, Seg, assert_same_rings, cases, fresh_tails, mutant, packed_call,
+                          packed_cases, row_error, run_both, run_packed_and_loop)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -170,3 +172,25 @@ def test_the_packed_checks_catch_a_split_one_position_off(mutation, monkeypatch)
         (out, rings, _), (old_out, old_rings) = run_both(monkeypatch, p, window=1024, band=256)
         assert row_error(out, old_out) < 2e-2
         assert_same_rings(rings, old_rings, p)
+
+
+@pytest.mark.parametrize("name", packed_cases(1024, 256))
+def test_packed_seeding_on_cuda_equals_one_segment_at_a_time(name, monkeypatch):
+    """8B shapes, bf16, rings poisoned first: the call takes the packed seeding (one varlen call), its output equals
+    the per-segment path's row by row within bf16 rounding, the query ring and positions exactly, the summaries
+    within the two flash kernels' rounding, and poison exactly where the per-segment path left it."""
+    p = packed_call(packed_cases(1024, 256)[name], Hq=32, Hkv=8, d=128, dtype=torch.bfloat16, device="cuda",
+                    seed=len(name))
+    (out, rings, calls), (old_out, old_rings) = run_packed_and_loop(monkeypatch, p, window=1024, band=256)
+    assert calls == 1
+    assert torch.isfinite(out).all() and row_error(out, old_out) < 2e-2
+    (q, o, lse, pos), (q0, o0, lse0, pos0) = rings, old_rings
+    assert torch.equal(pos, pos0) and torch.equal(q.isnan(), q0.isnan())
+    torch.testing.assert_close(q, q0, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(lse.isnan(), lse0.isnan()) and torch.equal(torch.isinf(lse), torch.isinf(lse0))
+    live = torch.isfinite(lse0)
+    if live.any():                          # "no_far_keys": every entry empty (o 0, lse -inf), checked above
+        assert (lse[live] - lse0[live]).abs().max() < 2e-2
+        assert ((o[live] - o0[live]).norm() / o0[live].norm()) < 1e-2
+    assert torch.equal(o[~live & ~lse0.isnan()], o0[~live & ~lse0.isnan()])
+    assert ((pos != POISON_POS).any(-1)).sum() >= 1

@@ -25,8 +25,8 @@ from macattn.methods.mac.config import ENGINE_MISS_POLICIES, MacConfig
 from macattn.methods.mac.decode_plans import MacDecodePlans
 from macattn.methods.mac.match_sketch import sketch
 from macattn.methods.mac.reference import mac_match_two_stage_reference
-from macattn.methods.mac.seeding import (band_split_applies, band_split_attention, fresh_split_attention, seed_rings_,
-                                         tail_summaries)
+from macattn.methods.mac.seeding import (band_split_applies, band_split_attention, fresh_split_attention,
+                                         packed_seeding_applies, packed_seeds, seed_packed_, seed_rings_, tail_summaries)
 from macattn.methods.mac.state import MacState
 
 __all__ = ["MacAttention"]
@@ -169,6 +169,13 @@ class MacAttention(AttentionMethod):
             plan = step.prefill
             if not params.enabled:           # a layer with MAC off never reads its ring: nothing to seed
                 return plan.attend(layer, query, key, value, scale)
+            if plan.varlen(query) is not None and packed_seeding_applies(plan.segments, params.window, params.band):
+                out = plan.attend(layer, query, key, value, scale)     # every segment at once, then every ring
+                seeds = plan.memo(("mac", params.window, params.band),
+                                  lambda: packed_seeds(plan.segments, params.window, params.band, query.device))
+                if seeds is not None:
+                    seed_packed_(self.state, layer, seeds, query, q_pre, key, value, scale=scale)
+                return out
             far: dict[int, AttentionSummary] = {}
 
             def attention(i, q, k, v):

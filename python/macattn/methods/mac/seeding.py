@@ -16,19 +16,26 @@ the layer's window, ``d`` head dim):
 Column ``c`` of a seeded row holds the prompt position ``t`` in ``[L - n, L - 1]``
 (``n = min(K, L)``) with ``t mod K == c``; columns without one are empty
 (``q = 0, o = 0, lse = -inf, pos = -1``), i.e. the row is reset and seeded at once.
+
+``seed_packed_`` seeds every fresh segment of a packed prefill at once (``packed_seeding_applies``): the ring
+positions' summaries as one ``flash_varlen`` call, the entries as one indexed store per ring
+(``MacState.write_columns``), where one segment at a time costs ~15 launches per segment and layer.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from macattn.core.attention import expand_kv_heads
 from macattn.core.flash_split import flash_forward, flash_lower_right
-from macattn.core.ragged import causal_attention, uses_cudnn
+from macattn.core.ragged import PrefillSegment, causal_attention, uses_cudnn, varlen_attention
 from macattn.core.summaries import AttentionSummary, summarize
 from macattn.methods.mac.reference import rectified_summaries_reference
 
 __all__ = ["seeded_ring_rows", "seed_rings_", "tail_summaries", "fused_seeding_applies", "band_split_applies",
-           "band_split_attention", "fresh_split_attention"]
+           "band_split_attention", "fresh_split_attention", "PackedSeeds", "packed_seeding_applies", "packed_seeds",
+           "seed_packed_"]
 
 
 def fused_seeding_applies(query: torch.Tensor) -> bool:
@@ -232,3 +239,75 @@ def seed_rings_(rings, slots: torch.Tensor, query: torch.Tensor, q_pre: torch.Te
     oring.index_copy_(0, slots, o_rows.to(oring.dtype))
     ring_lse.index_copy_(0, slots, lse_rows.to(ring_lse.dtype))
     ring_pos.index_copy_(0, slots, pos_rows.to(ring_pos.dtype))
+
+
+def packed_seeding_applies(segments, window: int, band: int) -> bool:
+    """Whether ``seed_packed_`` seeds these packed segments: every one fresh (``start == 0``), and one that keeps
+    ring positions has fewer than ``band`` tokens before its last ``min(window, L)`` (so ``fresh_split_attention``
+    would not split it: its attention is one causal call and its ring's summaries a second pass either way)."""
+    return all(s.start == 0 and (s.last_positions(window) == 0 or s.length - min(window, s.length) < band)
+               for s in segments)
+
+
+@dataclass(frozen=True)
+class PackedSeeds:
+    """Where a packed prefill's ring entries go (``packed_seeds``), made once per call and shared by the layers
+    with this ``(window, band)``. A segment keeping ring positions (``last_positions``) writes its last ``n =
+    min(window, L)`` — its row reset and seeded at once, as ``seed_rings_`` does — and one keeping none writes
+    nothing. ``M`` entries in token order.
+
+    rows: ``[M]`` int64, the entries' tokens in the call (None: every token of the call, in order);
+    slots / cols / positions: ``[M]`` int64 ring row, column (``position mod window``) and prompt position;
+    cleared: ``[P]`` int64 rows with fewer than ``window`` entries, emptied first (None if none);
+    cu_q / cu_k: ``[B' + 1]`` int32 and used_k ``[B']`` int32, the far part's ``flash_varlen`` layout over the
+    ``B'`` segments with entries (queries: the entries; keys: the segment's first ``L - band``); max_q / max_k."""
+
+    rows: torch.Tensor | None
+    slots: torch.Tensor
+    cols: torch.Tensor
+    positions: torch.Tensor
+    cleared: torch.Tensor | None
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    used_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def packed_seeds(segments: tuple[PrefillSegment, ...], window: int, band: int,
+                 device: torch.device) -> PackedSeeds | None:
+    """The ``PackedSeeds`` of fresh packed ``segments`` (``packed_seeding_applies``); None where no segment keeps
+    a ring position. Built on the host, three copies to ``device``."""
+    kept = [(s, min(window, s.length)) for s in segments if s.last_positions(window) > 0]
+    if not kept:
+        return None
+    pos = torch.cat([torch.arange(s.length - n, s.length) for s, n in kept])
+    rows = torch.cat([torch.arange(s.offset + s.length - n, s.offset + s.length) for s, n in kept])
+    slots = torch.cat([torch.full((n,), s.slot) for s, n in kept])
+    ints = torch.stack([rows, slots, pos % window, pos]).to(device)
+    cleared = [s.slot for s, n in kept if n < window]
+    cu_q = torch.tensor([0] + [n for _, n in kept]).cumsum(0)
+    used = torch.tensor([max(0, s.length - band) for s, _ in kept])
+    starts = torch.tensor([s.offset for s, _ in kept] + [kept[-1][0].offset + kept[-1][0].length])
+    small = torch.cat([cu_q, starts, used]).to(device=device, dtype=torch.int32)
+    B = len(kept)
+    every = rows.numel() == segments[-1].offset + segments[-1].length      # all tokens kept, in order
+    return PackedSeeds(None if every else ints[0], ints[1], ints[2], ints[3],
+                       torch.tensor(cleared, device=device) if cleared else None, small[: B + 1],
+                       small[B + 1: 2 * B + 2], small[2 * B + 2:], max(n for _, n in kept), int(used.max()))
+
+
+def seed_packed_(state, layer: int, seeds: PackedSeeds, query: torch.Tensor, q_pre: torch.Tensor,
+                 key: torch.Tensor, value: torch.Tensor, *, scale: float) -> None:
+    """Seed the rings of every segment of a packed call at once: ``query / q_pre [1, Hq, N, d]`` (post- / pre-RoPE),
+    ``key / value [1, Hkv, N, d]`` the call's tokens, ``state`` a ``MacState``. Entry ``t`` gets
+    ``AS^{(t)}_{[0, t - band]}`` (``tail_summaries``' definition: flash's bf16 / fp16 rounding of o, empty where
+    ``t < band``)."""
+    q, k, v, qp = (x[0].transpose(0, 1) for x in (query, key, value, q_pre))    # token-major [N, H, d]
+    if seeds.rows is not None:
+        q, qp = q.index_select(0, seeds.rows), qp.index_select(0, seeds.rows)
+    o, lse = varlen_attention(q, k, v, seeds.cu_q, seeds.cu_k, seeds.max_q, seeds.max_k, scale=scale,
+                              seqused_k=seeds.used_k)
+    if seeds.cleared is not None:
+        state.clear_rows(layer, seeds.cleared)
+    state.write_columns(layer, seeds.slots, seeds.cols, seeds.positions, qp, AttentionSummary(o.float(), lse.t()))

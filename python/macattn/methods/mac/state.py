@@ -177,13 +177,13 @@ class MacState(SlotPool):
     def reset(self, slot: int) -> None:
         """Empty every ring row of ``slot`` in every layer."""
         self._check_slot(slot)
-        for q, o, l, p, sr in zip(self.qring, self.oring, self.ring_lse, self.ring_pos, self.sring):
-            q[slot].zero_()
-            o[slot].zero_()
-            l[slot].fill_(float("-inf"))
-            p[slot].fill_(-1)
-            if sr is not None:
-                sr[slot].zero_()
+        lse, pos = [t[slot] for t in self.ring_lse], [t[slot] for t in self.ring_pos]
+        for rows in ([t[slot] for t in self.qring], [t[slot] for t in self.oring], lse, pos,
+                     [t[slot] for t in self.sring if t is not None]):
+            if rows:        # one multi-tensor launch per ring kind, not one per layer (admission is on the TTFT path)
+                torch._foreach_zero_(rows)
+        torch._foreach_add_(lse, float("-inf"))
+        torch._foreach_add_(pos, -1)
         self.diagnostics.per_slot[slot].zero_()
 
     def copy(self, src: int, dst: int) -> None:
@@ -204,6 +204,34 @@ class MacState(SlotPool):
         if sr is not None:
             kind = self.config.for_layer(layer).match_sketch
             index_store_(sr, slots, sketch(self.qring[layer].index_select(0, slots), kind))
+
+    def clear_rows(self, layer: int, slots: torch.Tensor) -> None:
+        """Empty rows ``slots [P]`` int64 of ``layer``'s rings (``reset``'s values, one launch per ring)."""
+        qring, oring, lse, pos = self.layer(layer)
+        qring.index_fill_(0, slots, 0)
+        oring.index_fill_(0, slots, 0)
+        lse.index_fill_(0, slots, float("-inf"))
+        pos.index_fill_(0, slots, -1)
+        sr = self.sring[layer]
+        if sr is not None:
+            sr.view(torch.uint8).index_fill_(0, slots, 0)     # all-zero bits: 0 in every sketch dtype
+
+    def write_columns(self, layer: int, slots: torch.Tensor, cols: torch.Tensor, positions: torch.Tensor,
+                      q_pre: torch.Tensor, summary: AttentionSummary) -> None:
+        """Write ``M`` ring entries of ``layer`` at once: entry ``m`` goes to row ``slots[m]``, column ``cols[m]``
+        (``slots / cols / positions [M]`` int64, no (slot, column) twice) with its pre-RoPE query ``q_pre [M, Hq,
+        d]``, rectified summary (o ``[M, Hq, d]``, lse ``[M, Hq]``) and position; the sketch ring follows. One
+        indexed store per ring for every request of a packed prefill (``seeding.seed_packed_``)."""
+        qring, oring, lse, pos = self.layer(layer)
+        q = q_pre.to(qring.dtype)
+        at = (slots, slice(None), cols)
+        qring[at] = q
+        sr = self.sring[layer]
+        if sr is not None:
+            index_store_(sr, at, sketch(q, self.config.for_layer(layer).match_sketch))
+        oring[at] = summary.o.to(oring.dtype)
+        lse[at] = summary.lse.to(lse.dtype)
+        pos[slots, cols] = positions
 
     def seed(self, layer: int, slot: int, positions: torch.Tensor, q_pre: torch.Tensor,
              summary: AttentionSummary) -> None:
