@@ -205,7 +205,8 @@ def test_fastmka_whole_step_graph(mac):
 def test_two_stage_match_in_the_captured_step():
     """MacConfig(match="two_stage") on the GPU path: the plan's Triton two-stage kernels over the
     sketch ring, appended to in the graph. With every entry a candidate (C = K = 16) it decides as
-    the exact match; with E4M3 sketches and 4 candidates replay == eager bit for bit; the sketch ring
+    the exact match; with E4M3 sketches and 4 candidates replay decides as eager at every layer, head and step
+    (logits within fp32 rounding); the sketch ring
     equals the sketch of the query ring for every live slot while requests run."""
     from dataclasses import replace
 
@@ -224,13 +225,20 @@ def test_two_stage_match_in_the_captured_step():
         for a, b in zip(exact.logits[i], every.logits[i]):
             assert _rel(b, a) < 1e-5
 
+    # eager and graph decide alike at every (layer, head, step). The logits agree to fp32 rounding, not bit for bit:
+    # the fifth prompt is prefilled alone once a slot frees, and the graph engine's prefill pieces run its GEMMs on
+    # rows padded to a token bucket, which in fp32 round differently from the eager call's exact rows on the
+    # CUDA 13 images (benchmarks/notes/serving.md, eighth session: every ring agrees bit for bit until that prefill;
+    # from it, layer 0's still do, layers 1-3 differ by <= 4e-7)
     two = replace(MAC, match="two_stage", match_sketch="fp8", match_candidates=4)
     eager = _run(model, two, "cuda", False, prompts, script, 10)
     graph = _run(model, two, "cuda", True, prompts, script, 10)
+    assert graph.executor.decoder.use_cuda_graphs and all(b.graphs for b in graph.executor.decoder.buckets.values())
     assert graph.mac_state.diagnostics.hits.sum() > 0
+    assert torch.equal(graph.mac_state.diagnostics.hits, eager.mac_state.diagnostics.hits)
     for i in range(5):
         for a, b in zip(eager.logits[i], graph.logits[i]):
-            assert torch.equal(a, b)
+            assert _rel(b, a) < 1e-5
 
     eng = ForcedEngine(model(), replace(two, match_sketch="proj16"),
                        RuntimeConfig(max_batch_size=4, max_seq_len=512, device="cuda", use_cuda_graphs=True),

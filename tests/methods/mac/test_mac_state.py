@@ -255,3 +255,27 @@ def test_diagnostics_all_misses():
         diag.record(0, torch.full((2, 2), -1), torch.tensor([m, m + 3]), 4)
     assert diag.steps[0].tolist() == [8, 8]
     assert not diag.hit_rate.any() and not diag.skipped_prefix.any() and not diag.mean_gap.any()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("kind", ["fp8", "proj16"])
+def test_reset_empties_every_ring_and_the_sketch_ring_of_one_slot(kind, device):
+    """``reset`` (multi-tensor launches) on junk in every ring of two slots, a sketch ring of ``kind`` (E4M3 /
+    bf16) among them and a layer with MAC off: the reset slot's rows are empty, the other slot's untouched."""
+    cfg = MacConfig(window=8, band=2, tau=0.45, match="two_stage", match_sketch=kind, match_candidates=2,
+                    layer_overrides={1: {"enabled": False}})
+    st = MacState.allocate(cfg, num_slots=3, num_layers=3, num_q_heads=4, head_dim=16, device=device)
+    g = _gen(7)
+    for slot in (0, 2):
+        for t in (*st.qring, *st.oring, *st.ring_lse, *(s for s in st.sring if s is not None)):
+            t[slot] = torch.randn(t[slot].shape, generator=g).to(device).to(t.dtype)
+        for p in st.ring_pos:
+            p[slot] = 5
+    keep = [t[2].clone() for t in (*st.qring, *st.oring, *st.ring_lse, *st.ring_pos)]
+    st.reset(0)
+    _assert_slot_empty(st, 0)
+    assert all(s is None or not s[0].float().any() for s in st.sring)
+    assert any(s is not None for s in st.sring)
+    for a, b in zip((t[2] for t in (*st.qring, *st.oring, *st.ring_lse, *st.ring_pos)), keep):
+        assert torch.equal(a, b)

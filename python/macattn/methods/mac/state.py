@@ -179,7 +179,7 @@ class MacState(SlotPool):
         self._check_slot(slot)
         lse, pos = [t[slot] for t in self.ring_lse], [t[slot] for t in self.ring_pos]
         for rows in ([t[slot] for t in self.qring], [t[slot] for t in self.oring], lse, pos,
-                     [t[slot] for t in self.sring if t is not None]):
+                     [t[slot].view(torch.uint8) for t in self.sring if t is not None]):   # no float8 foreach on CUDA
             if rows:        # one multi-tensor launch per ring kind, not one per layer (admission is on the TTFT path)
                 torch._foreach_zero_(rows)
         torch._foreach_add_(lse, float("-inf"))
