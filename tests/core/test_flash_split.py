@@ -106,6 +106,8 @@ def test_the_varlen_reference_is_each_sequence_bottom_right_causal(lengths, used
     q, k, v, cu, seq = _varlen_inputs(lengths, used, Hq, Hkv, 8, torch.float64, "cpu", seed=sum(lengths))
     out, lse = flash_varlen_reference(q, k, v, cu, cu, max(lengths), max(lengths), scale=0.3, seqused_k=seq)
     assert out.shape == q.shape and lse.shape == (Hq, q.shape[0]) and lse.dtype == torch.float32
+    bare, none = flash_varlen_reference(q, k, v, cu, cu, 0, 0, scale=0.3, seqused_k=seq, lse=False)
+    assert none is None and torch.equal(bare, out)
     off = 0
     for b, n in enumerate(lengths):
         m = n if used is None else used[b]
@@ -140,3 +142,5 @@ def test_flash_varlen_on_cuda_equals_the_reference(lengths, used, Hq, Hkv):
     assert (out.float().transpose(0, 1)[empty] == 0).all()
     assert ((out.float() - ro.float()).norm() / ro.float().norm()) < 1e-2
     assert (lse[~empty] - rl[~empty]).abs().max() < 2e-2
+    bare, none = flash_varlen(q, k, v, cu, cu, max(lengths), max(lengths), scale=d ** -0.5, seqused_k=seq, lse=False)
+    assert none is None and torch.equal(bare, out)

@@ -61,36 +61,41 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                 max_q: int, max_k: int, *, scale: float, seqused_k: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 max_q: int, max_k: int, *, scale: float, seqused_k: torch.Tensor | None = None,
+                 lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Bottom-right causal flash attention of ``B`` packed sequences: ``q [Nq, Hq, d]``, ``k / v [Nk, Hkv, d]``
     (CUDA, fp16 / bf16, ``Hq`` a multiple of ``Hkv``, contiguous last dimension), ``cu_q / cu_k [B + 1]`` int32 on
     their device. Sequence ``b``'s queries are rows ``cu_q[b] .. cu_q[b + 1] - 1``, its keys the first
     ``seqused_k[b]`` (default: all ``cu_k[b + 1] - cu_k[b]``) rows from ``cu_k[b]``; query ``i`` of ``n`` over
     ``m`` keys sees keys ``0 .. m - n + i``. ``max_q / max_k``: the longest query / key count (host ints).
     Returns ``(out [Nq, Hq, d] in q's dtype, lse [Hq, Nq] fp32)``; a query that sees no key gets ``out = 0``,
-    ``lse = -inf`` (the kernel's ``+inf`` for an empty row, replaced)."""
+    ``lse = -inf`` (the kernel's ``+inf`` for an empty row, replaced). ``lse=False``: ``(out, None)``, and no
+    launch spent on the log-sum-exp."""
     Nq, Hq = q.shape[0], q.shape[1]
     if max_k <= 0:
-        return q.new_zeros(q.shape[0], Hq, v.shape[-1]), q.new_full((Hq, Nq), float("-inf"), dtype=torch.float32)
-    out, lse = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
+        return (q.new_zeros(q.shape[0], Hq, v.shape[-1]),
+                q.new_full((Hq, Nq), float("-inf"), dtype=torch.float32) if lse else None)
+    out, got = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
                                                        scale=scale, seqused_k=seqused_k)[:2]
-    if lse.dim() == 3:      # a flash build that pads the log-sum-exp per sequence: [B, Hq, max_q]
+    if not lse:
+        return out, None
+    if got.dim() == 3:      # a flash build that pads the log-sum-exp per sequence: [B, Hq, max_q]
         rows = torch.arange(Nq, device=q.device)
         seq = torch.searchsorted(cu_q[1:].long(), rows, right=True)
-        lse = lse[seq, :, rows - cu_q.long()[seq]].transpose(0, 1)
-    return out, lse.float().masked_fill(lse == float("inf"), float("-inf"))
+        got = got[seq, :, rows - cu_q.long()[seq]].transpose(0, 1)
+    return out, got.float().nan_to_num_(posinf=float("-inf"))      # one launch: empty rows' +inf -> -inf
 
 
 def flash_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
                            cu_k: torch.Tensor, max_q: int, max_k: int, *, scale: float,
-                           seqused_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           seqused_k: torch.Tensor | None = None, lse: bool = True
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The definition of ``flash_varlen`` in plain torch (explicit masks, fp32 / fp64 math), same arguments:
-    ``(out [Nq, Hq, d] in q's dtype, lse [Hq, Nq] fp32)``. ``max_q / max_k`` are not needed here."""
+    ``(out [Nq, Hq, d] in q's dtype, lse [Hq, Nq] fp32 or None)``. ``max_q / max_k`` are not needed here."""
     Nq, Hq, d = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(Nq, Hq, v.shape[-1], dtype=acc, device=q.device)
-    lse = torch.full((Hq, Nq), float("-inf"), dtype=acc, device=q.device)
+    sums = torch.full((Hq, Nq), float("-inf"), dtype=acc, device=q.device)
     g = Hq // k.shape[1]
     cq, ck = cu_q.tolist(), cu_k.tolist()
     used = None if seqused_k is None else seqused_k.tolist()
@@ -107,8 +112,8 @@ def flash_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         l = torch.logsumexp(logits, -1)                                                    # [Hq, n]
         p = torch.exp(logits - l.unsqueeze(-1)).nan_to_num(0.0)                            # empty rows: 0
         out[cq[b]: cq[b + 1]] = (p @ vb).transpose(0, 1)
-        lse[:, cq[b]: cq[b + 1]] = l
-    return out.to(q.dtype), lse.float()
+        sums[:, cq[b]: cq[b + 1]] = l
+    return out.to(q.dtype), sums.float() if lse else None
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:

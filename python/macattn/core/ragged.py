@@ -109,10 +109,10 @@ def varlen_applies(query: torch.Tensor) -> bool:
             and not torch.jit.is_tracing() and not torch.compiler.is_compiling())
 
 
-def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, seqused_k=None):
+def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, seqused_k=None, lse=True):
     """``flash_varlen`` on CUDA, its plain-torch definition elsewhere (same arguments and results)."""
     run = flash_varlen if q.is_cuda else flash_varlen_reference
-    return run(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, seqused_k=seqused_k)
+    return run(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, seqused_k=seqused_k, lse=lse)
 
 
 @dataclass(frozen=True)
@@ -294,7 +294,8 @@ class RaggedPrefill:
         packed = None if segment_attention is not None else self.varlen(query)
         if packed is not None:
             q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))         # token-major [N, H, d]
-            out = varlen_attention(q, k, v, packed.cu, packed.cu, packed.max_len, packed.max_len, scale=scale)[0]
+            out = varlen_attention(q, k, v, packed.cu, packed.cu, packed.max_len, packed.max_len, scale=scale,
+                                   lse=False)[0]
             for i in range(len(self.segments) if each is not None else 0):
                 each(i, *self.segment_kv(layer, i, key, value))
             return out.unsqueeze(0)
