@@ -79,10 +79,9 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.
                                                        scale=scale, seqused_k=seqused_k)[:2]
     if not lse:
         return out, None
-    if got.dim() == 3:      # a flash build that pads the log-sum-exp per sequence: [B, Hq, max_q]
-        rows = torch.arange(Nq, device=q.device)
-        seq = torch.searchsorted(cu_q[1:].long(), rows, right=True)
-        got = got[seq, :, rows - cu_q.long()[seq]].transpose(0, 1)
+    if got.shape != (Hq, Nq):       # older flash builds pad it per sequence, [B, Hq, max_q]: not this layout
+        raise RuntimeError(f"flash varlen returned a log-sum-exp of shape {tuple(got.shape)}, expected "
+                           f"[Hq={Hq}, Nq={Nq}] (torch {torch.__version__})")
     return out, got.float().nan_to_num_(posinf=float("-inf"))      # one launch: empty rows' +inf -> -inf
 
 
@@ -92,7 +91,7 @@ def flash_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The definition of ``flash_varlen`` in plain torch (explicit masks, fp32 / fp64 math), same arguments:
     ``(out [Nq, Hq, d] in q's dtype, lse [Hq, Nq] fp32 or None)``. ``max_q / max_k`` are not needed here."""
-    Nq, Hq, d = q.shape
+    Nq, Hq = q.shape[:2]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(Nq, Hq, v.shape[-1], dtype=acc, device=q.device)
     sums = torch.full((Hq, Nq), float("-inf"), dtype=acc, device=q.device)

@@ -109,7 +109,9 @@ def varlen_applies(query: torch.Tensor) -> bool:
             and not torch.jit.is_tracing() and not torch.compiler.is_compiling())
 
 
-def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, seqused_k=None, lse=True):
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                     max_q: int, max_k: int, *, scale: float, seqused_k: torch.Tensor | None = None,
+                     lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``flash_varlen`` on CUDA, its plain-torch definition elsewhere (same arguments and results)."""
     run = flash_varlen if q.is_cuda else flash_varlen_reference
     return run(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, seqused_k=seqused_k, lse=lse)
