@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from macattn.core.ragged import PrefillSegment
-from macattn.methods.mac import seeding
+from macattn.methods.mac import backend, seeding
 from macattn.methods.mac.seeding import packed_seeding_applies, packed_seeds
 
 from _fresh_split import POISON_POS, Seg, cases, packed_call, packed_cases, row_error, run_packed_and_loop
@@ -46,9 +46,7 @@ def test_packed_seeding_equals_one_segment_at_a_time(name, Hq, Hkv, monkeypatch)
 def test_a_far_part_one_key_off_is_caught(monkeypatch):
     p = packed_call(CASES["every"], Hq=4, Hkv=2, d=16, dtype=torch.float64, device="cpu", seed=3)
     real = seeding.packed_seeds
-    monkeypatch.setattr(seeding, "packed_seeds", lambda segs, window, band, device: real(segs, window, band - 1, device))
-    from macattn.methods.mac import backend
-    monkeypatch.setattr(backend, "packed_seeds", seeding.packed_seeds)
+    monkeypatch.setattr(backend, "packed_seeds", lambda segs, window, band, device: real(segs, window, band - 1, device))
     (_, rings, calls), (_, old_rings) = run_packed_and_loop(monkeypatch, p, window=K, band=B, force=True)
     assert calls == 1
     with pytest.raises(AssertionError):
