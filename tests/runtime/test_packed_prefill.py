@@ -259,3 +259,32 @@ def test_a_prompt_rest_that_fits_the_budget_is_not_split_for_the_decode_rows_and
     eng.execute(step)
     eng.run_to_completion()
     assert all(eng.requests[r].finished for r in (rb, rc, rd))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", ATTENTION_METHODS + ("mac_on",))
+def test_fresh_prompts_as_one_varlen_call_equal_solo_prefill(family, name, monkeypatch):
+    """The CUDA path for a call of fresh prompts (``RaggedPrefill.varlen``: one varlen attention call, MAC's rings
+    seeded at once by ``seed_packed_``) forced on the CPU through its reference: every method's logits and state
+    equal each prompt's solo prefill. Prompts of 3..19 tokens (window 16, band 4), so MAC takes the packed seeding."""
+    from macattn.core import ragged
+    from macattn.methods.mac import backend
+
+    if name == "mac_on":
+        make = lambda: LLMEngine(tiny_model(family, seed=4), MAC, RuntimeConfig(max_batch_size=2, max_seq_len=128))  # noqa: E731
+    else:
+        make = lambda: _exact_engine(name, tiny_model(family, seed=4))  # noqa: E731
+    ps = prompts(2, seed=12, lo=3, hi=19)
+    solo_logits, solo_state = _prefill(make, ps, packed=False)
+    seeded, real = [], backend.seed_packed_
+    monkeypatch.setattr(backend, "seed_packed_", lambda *a, **kw: seeded.append(1) or real(*a, **kw))
+    monkeypatch.setattr(ragged, "varlen_applies", lambda query: True)
+    packed_logits, packed_state = _prefill(make, ps, packed=True)
+    if name == "mac_on":
+        assert seeded, "MAC's packed seeding was not taken"
+    for a, b in zip(solo_logits, packed_logits):
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9)
+    for rows_a, rows_b in zip(solo_state, packed_state):
+        assert len(rows_a) == len(rows_b)
+        for a, b in zip(rows_a, rows_b):
+            torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9, equal_nan=True)
