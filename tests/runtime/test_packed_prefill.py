@@ -266,7 +266,8 @@ def test_a_prompt_rest_that_fits_the_budget_is_not_split_for_the_decode_rows_and
 def test_fresh_prompts_as_one_varlen_call_equal_solo_prefill(family, name, monkeypatch):
     """The CUDA path for a call of fresh prompts (``RaggedPrefill.varlen``: one varlen attention call, MAC's rings
     seeded at once by ``seed_packed_``) forced on the CPU through its reference: every method's logits and state
-    equal each prompt's solo prefill. Prompts of 3..19 tokens (window 16, band 4), so MAC takes the packed seeding."""
+    equal each prompt's solo prefill. Prompts of 3..19 tokens (window 16, band 4), so MAC takes the packed seeding.
+    The retrieval-completion methods keep their own KV and prefill one request per call, so they never take it."""
     from macattn.core import ragged
     from macattn.methods.mac import backend
 
