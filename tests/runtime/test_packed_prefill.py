@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from macattn.core import ragged
+from macattn.methods.mac import backend
 from macattn.methods.registry import ATTENTION_METHODS
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.engine import LLMEngine
@@ -44,22 +46,29 @@ def _prefill(make, ps, packed: bool):
     return logits, [_state_rows(eng, s.slot) for s in seqs]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("name", ATTENTION_METHODS + ("mac_on",))
-def test_packed_prefill_equals_solo_prefill(family, name):
+def _maker(family: str, name: str):
+    """A fresh two-slot engine of ``name`` (a registered method, or ``"mac_on"``: MAC at ``_tiny.MAC``) per call."""
     if name == "mac_on":
-        make = lambda: LLMEngine(tiny_model(family, seed=4), MAC, RuntimeConfig(max_batch_size=2, max_seq_len=128))  # noqa: E731
-    else:
-        make = lambda: _exact_engine(name, tiny_model(family, seed=4))  # noqa: E731
-    ps = prompts(2, seed=11, lo=9, hi=40)
-    solo_logits, solo_state = _prefill(make, ps, packed=False)
-    packed_logits, packed_state = _prefill(make, ps, packed=True)
+        return lambda: LLMEngine(tiny_model(family, seed=4), MAC, RuntimeConfig(max_batch_size=2, max_seq_len=128))
+    return lambda: _exact_engine(name, tiny_model(family, seed=4))
+
+
+def _assert_same_prefill(solo, packed) -> None:
+    """``_prefill``'s logits and per-slot state rows of two runs agree (fp64: 1e-9)."""
+    (solo_logits, solo_state), (packed_logits, packed_state) = solo, packed
     for a, b in zip(solo_logits, packed_logits):
         torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9)
     for rows_a, rows_b in zip(solo_state, packed_state):
         assert len(rows_a) == len(rows_b)
         for a, b in zip(rows_a, rows_b):
             torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9, equal_nan=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", ATTENTION_METHODS + ("mac_on",))
+def test_packed_prefill_equals_solo_prefill(family, name):
+    make, ps = _maker(family, name), prompts(2, seed=11, lo=9, hi=40)
+    _assert_same_prefill(_prefill(make, ps, packed=False), _prefill(make, ps, packed=True))
 
 
 def _run_alone(family, p, new):
@@ -268,24 +277,12 @@ def test_fresh_prompts_as_one_varlen_call_equal_solo_prefill(family, name, monke
     seeded at once by ``seed_packed_``) forced on the CPU through its reference: every method's logits and state
     equal each prompt's solo prefill. Prompts of 3..19 tokens (window 16, band 4), so MAC takes the packed seeding.
     The retrieval-completion methods keep their own KV and prefill one request per call, so they never take it."""
-    from macattn.core import ragged
-    from macattn.methods.mac import backend
-
-    if name == "mac_on":
-        make = lambda: LLMEngine(tiny_model(family, seed=4), MAC, RuntimeConfig(max_batch_size=2, max_seq_len=128))  # noqa: E731
-    else:
-        make = lambda: _exact_engine(name, tiny_model(family, seed=4))  # noqa: E731
-    ps = prompts(2, seed=12, lo=3, hi=19)
-    solo_logits, solo_state = _prefill(make, ps, packed=False)
+    make, ps = _maker(family, name), prompts(2, seed=12, lo=3, hi=19)
+    solo = _prefill(make, ps, packed=False)
     seeded, real = [], backend.seed_packed_
     monkeypatch.setattr(backend, "seed_packed_", lambda *a, **kw: seeded.append(1) or real(*a, **kw))
     monkeypatch.setattr(ragged, "varlen_applies", lambda query: True)
-    packed_logits, packed_state = _prefill(make, ps, packed=True)
+    packed = _prefill(make, ps, packed=True)
     if name == "mac_on":
         assert seeded, "MAC's packed seeding was not taken"
-    for a, b in zip(solo_logits, packed_logits):
-        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9)
-    for rows_a, rows_b in zip(solo_state, packed_state):
-        assert len(rows_a) == len(rows_b)
-        for a, b in zip(rows_a, rows_b):
-            torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9, equal_nan=True)
+    _assert_same_prefill(solo, packed)

@@ -89,29 +89,23 @@ def flash_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            cu_k: torch.Tensor, max_q: int, max_k: int, *, scale: float,
                            seqused_k: torch.Tensor | None = None, lse: bool = True
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The definition of ``flash_varlen`` in plain torch (explicit masks, fp32 / fp64 math), same arguments:
-    ``(out [Nq, Hq, d] in q's dtype, lse [Hq, Nq] fp32 or None)``. ``max_q / max_k`` are not needed here."""
+    """The definition of ``flash_varlen`` in plain torch, same arguments: each sequence's queries that see a key
+    (its last ``min(n, m)``) through ``flash_lower_right_reference`` (fp64), the rest empty. Returns
+    ``(out [Nq, Hq, d] in q's dtype, lse [Hq, Nq] fp32 or None)``; ``max_q / max_k`` are not needed here."""
     Nq, Hq = q.shape[:2]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out = torch.zeros(Nq, Hq, v.shape[-1], dtype=acc, device=q.device)
-    sums = torch.full((Hq, Nq), float("-inf"), dtype=acc, device=q.device)
-    g = Hq // k.shape[1]
+    out = torch.zeros(Nq, Hq, v.shape[-1], dtype=torch.float64, device=q.device)
+    sums = torch.full((Hq, Nq), float("-inf"), dtype=torch.float64, device=q.device)
     cq, ck = cu_q.tolist(), cu_k.tolist()
     used = None if seqused_k is None else seqused_k.tolist()
     for b in range(len(cq) - 1):
         n, m = cq[b + 1] - cq[b], (ck[b + 1] - ck[b]) if used is None else used[b]
         if n == 0 or m <= 0:
             continue
-        qb = q[cq[b]: cq[b + 1]].to(acc).transpose(0, 1)                                   # [Hq, n, d]
-        kb = k[ck[b]: ck[b] + m].to(acc).repeat_interleave(g, 1).transpose(0, 1)          # [Hq, m, d]
-        vb = v[ck[b]: ck[b] + m].to(acc).repeat_interleave(g, 1).transpose(0, 1)
-        logits = (qb @ kb.transpose(-1, -2)) * scale                                       # [Hq, n, m]
-        seen = torch.arange(m, device=q.device).view(1, m) <= (m - n + torch.arange(n, device=q.device)).view(n, 1)
-        logits = logits.masked_fill(~seen, float("-inf"))
-        l = torch.logsumexp(logits, -1)                                                    # [Hq, n]
-        p = torch.exp(logits - l.unsqueeze(-1)).nan_to_num(0.0)                            # empty rows: 0
-        out[cq[b]: cq[b + 1]] = (p @ vb).transpose(0, 1)
-        sums[:, cq[b]: cq[b + 1]] = l
+        rows = slice(cq[b + 1] - min(n, m), cq[b + 1])         # query i sees keys 0 .. m - n + i: i >= n - m
+        o, l = flash_lower_right_reference(q[rows].transpose(0, 1).unsqueeze(0),
+                                           k[ck[b]: ck[b] + m].transpose(0, 1).unsqueeze(0),
+                                           v[ck[b]: ck[b] + m].transpose(0, 1).unsqueeze(0), scale)
+        out[rows], sums[:, rows] = o[0].transpose(0, 1), l[0]
     return out.to(q.dtype), sums.float() if lse else None
 
 

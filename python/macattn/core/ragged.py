@@ -246,10 +246,12 @@ class RaggedPrefill:
     def varlen(self, query: torch.Tensor) -> Varlen | None:
         """The call as one ``flash_varlen`` call, where every segment is fresh (``start == 0``) and runs on flash
         (not ``uses_cudnn``) and ``varlen_applies(query)``; else None (one call per segment)."""
-        if not varlen_applies(query) or any(s.start or uses_cudnn(s.length, s.length) for s in self.segments):
+        if not varlen_applies(query):
             return None
 
-        def build() -> Varlen:
+        def build() -> Varlen | None:       # once per call: every layer of it asks
+            if any(s.start or uses_cudnn(s.length, s.length) for s in self.segments):
+                return None
             cu = [s.offset for s in self.segments] + [self.num_tokens]
             return Varlen(torch.tensor(cu, dtype=torch.int32, device=query.device),
                           max(s.length for s in self.segments))
