@@ -519,7 +519,7 @@ def engine_options(args) -> tuple[dict, dict]:
     except ImportError:
         pass
     kw, info = {}, {}
-    for name in ("max_num_batched_tokens", "prefill_chunk", "async_scheduling"):
+    for name in ("max_num_batched_tokens", "prefill_chunk", "async_scheduling", "mac_min_context"):
         value = getattr(args, name)
         info[name] = value
         info[f"llm_takes_{name}"] = name in params
@@ -601,6 +601,8 @@ class Server:
             llm_kw = {**llm_kw, "enable_prefix_caching": prefix_caching}
         if w.mac_window is not None and mac != "off":
             llm_kw = {**llm_kw, "mac_window": w.mac_window}
+        if mac == "off" or method != "mac":     # MAC's flag: neither MAC off nor a seeded pattern's class takes it
+            llm_kw = {k: v for k, v in llm_kw.items() if k != "mac_min_context"}
         self.llm = LLM(model, tokenizer=tok, method=method, mac=mac, device=args.device, max_batch_size=w.slots,
                        max_seq_len=w.max_seq_len, **llm_kw)
         self.server = self.thread = None
@@ -626,7 +628,8 @@ class Server:
     def info(self) -> dict:
         return {"method": self.key[2], "mac": self.key[3] or "on", "max_batch_size": self.key[0],
                 "max_seq_len": self.llm.engine.config.max_seq_len, "start_s": self.start_s,
-                "prefix_caching": getattr(self.llm.engine, "prefix_caching", False), "graph_prewarm": self.prewarm}
+                "prefix_caching": getattr(self.llm.engine, "prefix_caching", False), "graph_prewarm": self.prewarm,
+                "mac_min_context": getattr(getattr(self.llm.engine, "mac_config", None), "min_context", None)}
 
     def stop(self) -> None:
         """Stop the server (``should_exit``, thread joined), the engine loop (``llm.shutdown()``), unbind the
@@ -790,6 +793,9 @@ def main(argv=None) -> int:
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="LLM(async_scheduling=...): each step launched before the previous step's tokens are read "
                          "(default: the engine's, on for CUDA); passed only when given and taken")
+    ap.add_argument("--mac-min-context", type=int, default=None,
+                    help="LLM(mac_min_context=...): MAC engages from this context (default: the engine's, 8192 on "
+                         "CUDA); passed only when given and taken, and only to MAC's default method")
     ap.add_argument("--no-floor", action="store_true", help="skip the floor measurement")
     ap.add_argument("--floor-reps", type=int, default=None, help="timed reps per floor figure (default 5; dry 2)")
     ap.add_argument("--no-warmup", action="store_true", help="no untimed warm-up request before each record")

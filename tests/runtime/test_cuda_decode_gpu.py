@@ -262,7 +262,8 @@ def test_two_stage_match_in_the_captured_step():
 def test_the_method_owns_its_bucket_plans_and_graph_variants():
     """The runtime names no method: a bucket's plans are the method's (MAC: one ``MacDecodePlan`` per
     distinct layer configuration; full attention: the attend-only ``FullDecodePlans``), its captured
-    variants are keyed by ``(greedy, method.decode_graph_key())`` (MAC: ``collect_diagnostics``), MAC's
+    variants are keyed by ``(greedy, method.decode_graph_key(positions))`` (MAC: ``collect_diagnostics`` and
+    whether a row has reached ``min_context``), MAC's
     diagnostics are recorded inside the variant that has them only, and ``last_match_pos`` views the
     latest step's rows."""
     from macattn.methods.base import FullDecodePlans
@@ -287,12 +288,12 @@ def test_the_method_owns_its_bucket_plans_and_graph_variants():
     for b in dec.buckets.values():
         assert isinstance(b.plans, MacDecodePlans) and b.plans.page_table is b.page_table
         assert set(b.plans.plans) == {plan_key(mac.for_layer(layer)) for layer in layers}
-        assert len(b.plans.plans) == 2 and set(b.graphs) == {(ARGMAX, True)}
+        assert len(b.plans.plans) == 2 and set(b.graphs) == {(ARGMAX, (True, True))}
     steps = eng.mac_state.diagnostics.steps.sum().item()
     assert steps > 0
     eng.method.collect_diagnostics = False
     eng.step()                                                       # the three requests: bucket 4
-    assert set(dec.buckets[4].graphs) == {(ARGMAX, True), (ARGMAX, False)}
+    assert set(dec.buckets[4].graphs) == {(ARGMAX, (True, True)), (ARGMAX, (False, True))}
     assert eng.mac_state.diagnostics.steps.sum().item() == steps     # the variant without diagnostics records none
     mp = eng.method.last_match_pos
     assert set(mp) == set(layers) and all(t.shape == (3, eng.method.dims.num_q_heads) for t in mp.values())
@@ -303,3 +304,67 @@ def test_the_method_owns_its_bucket_plans_and_graph_variants():
     full.run_to_completion()
     assert all(type(b.plans) is FullDecodePlans and set(b.graphs) == {(ARGMAX, None)}
                for b in full.executor.decoder.buckets.values())
+
+
+@pytest.mark.parametrize("match", ["exact", "two_stage"])
+def test_min_context_rows_attend_in_full_and_leave_their_ring(match):
+    """``MacConfig.min_context`` on the GPU plans, fp32: a step where no row has reached ``C`` replays the variant
+    whose MAC layers attend in full (bit for bit MAC off's step); in the variant with a row at ``m >= C`` a row
+    below matches nothing (full attention, within the kernels' TF32 rounding of MAC off) and appends into the scratch slot, so
+    its ring stays empty until it reaches ``C``; a request past ``C`` from its first step runs as with ``C = 0``
+    (its logits within fp32 rounding); graph = eager (the same hits); the diagnostics count the engaged rows only."""
+    from macattn.runtime.sampling import SamplerVariant
+
+    ARGMAX = SamplerVariant(draw=False, bias=False, penalize=False)
+
+    def model():
+        return build_builtin_model("llama", seed=5).to("cuda")
+
+    mac = MAC if match == "exact" else replace(MAC, match="two_stage", match_candidates=4)
+    C, new = 125, 12
+    prompts, script = _prompts(6, seed=3), _script(6, new, seed=3)      # 45, 56, 119, 228, 231, 291 tokens
+    lengths = [len(p) for p in prompts]
+    assert sorted(lengths)[:3] == [45, 56, 119]
+
+    def run(config, graphs, which):
+        eng = ForcedEngine(model(), config, RuntimeConfig(max_batch_size=4, max_seq_len=512, device="cuda",
+                                                          use_cuda_graphs=graphs), script=script)
+        for i in which:
+            eng.add(i, prompts[i], new)
+        while eng.has_unfinished():
+            eng.step()
+            for seq in eng.requests.values():      # a row below C leaves its ring empty (none of these seed it)
+                if (config.min_context and seq.slot is not None and seq.prefilled and len(seq.prompt) < C
+                        and seq.num_tokens - 2 < C):
+                    for ring_pos in eng.mac_state.ring_pos:
+                        assert (ring_pos[seq.slot] == -1).all(), (seq.request_id, seq.num_tokens)
+        return eng
+
+    every, short = range(6), [i for i in range(6) if lengths[i] + new < C]
+    on = run(replace(mac, min_context=C), True, every)
+    eager = run(replace(mac, min_context=C), False, every)
+    off = run(replace(mac, enabled=False), True, every)
+    paper = run(mac, True, every)
+    assert torch.equal(on.mac_state.diagnostics.hits, eager.mac_state.diagnostics.hits)
+    engaged = 0
+    for i in every:
+        L = lengths[i]
+        for step, (a, b, c, d) in enumerate(zip(on.logits[i], eager.logits[i], off.logits[i], paper.logits[i])):
+            m = L - 1 + step
+            assert _rel(a, b) < 1e-5, (i, step)     # graph = eager (fp32: the prefill pieces pad their GEMMs' rows)
+            if m < C:
+                # the MAC plan's miss path splits the keys apart from run_full's (TF32 dots): ~3e-5 measured
+                assert _rel(a, c) < 5e-4, f"request {i} at m={m}: rel err {_rel(a, c):.2e} vs MAC off"
+            elif L >= C:
+                assert _rel(a, d) < 1e-4, f"request {i} at m={m}: rel err {_rel(a, d):.2e} vs C = 0"
+            engaged += step > 0 and m >= C
+    diag = on.mac_state.diagnostics
+    assert torch.all(diag.steps == engaged) and paper.mac_state.diagnostics.hits.sum() > 0
+    assert any((ARGMAX, (True, True)) in b.graphs for b in on.executor.decoder.buckets.values())
+    # the short prompts alone: every step in the variant without a match, bit for bit MAC off's step
+    alone, alone_off = run(replace(mac, min_context=C), True, short), run(replace(mac, enabled=False), True, short)
+    assert all(set(b.graphs) == {(ARGMAX, (True, False))} for b in alone.executor.decoder.buckets.values())
+    for i in short:
+        assert all(torch.equal(a, b) for a, b in zip(alone.logits[i], alone_off.logits[i]))
+    assert alone.mac_state.diagnostics.steps.sum() == 0
+    assert all(len(mp) and all((t == -1).all() for t in mp.values()) for mp in [alone.method.last_match_pos])

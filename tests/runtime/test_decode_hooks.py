@@ -42,7 +42,8 @@ class _Hooked(FullAttention):
         self.log.append(("plans", geometry.batch_size))
         return PagedReference(geometry, rows)
 
-    def decode_graph_key(self):
+    def decode_graph_key(self, positions):
+        self.log.append(("key", list(positions)))
         return self.key
 
     def record_decode_step(self, plans, key):
@@ -88,6 +89,8 @@ def test_the_gpu_decode_drives_the_method_hooks_and_equals_the_cpu_decode(monkey
     records = [e for e in log if e[0] == "record"]
     dones = [e for e in log if e[0] == "done"]
     assert records and len(records) == len(dones)
+    keys = [e[1] for e in log if e[0] == "key"]          # each step's key is asked with its rows' positions
+    assert len(keys) == len(dones) and all(len(k) == B and min(k) >= 20 for k, (_, B, _) in zip(keys, dones))
     for (_, key, valid), (_, B, kind) in zip(records, dones):
         assert key == "variant-a" and kind == "PagedReference"
         assert valid == [1.0] * B + [0.0] * (len(valid) - B)        # padding rows weigh 0
@@ -101,7 +104,7 @@ def test_the_gpu_decode_drives_the_method_hooks_and_equals_the_cpu_decode(monkey
 def test_the_default_hooks():
     dims = ModelDims.of(tiny_model())
     m = FullAttention(FullConfig(), dims, num_slots=2)
-    assert m.decode_graph_key() is None
+    assert m.decode_graph_key([3, 9]) is None and m.decode_graph_keys() == (None,)
     assert m.record_decode_step(None, None) is None and m.decode_step_done(None, 1) is None
     assert FullAttention.decode_plans is AttentionMethod.decode_plans          # attend-only: FullDecodePlans
     assert issubclass(FullDecodePlans, DecodePlans)
@@ -153,7 +156,7 @@ def _mac_plans(monkeypatch, config: MacConfig, nb: int = 4, hq: int = 4):
                               head_dim=16, dtype=torch.float32, device=torch.device("cpu"))
     rows = DecodeRows(positions=torch.tensor([40, 41, 50, 0]), slots=torch.tensor([2, 0, 1, nb]),
                       valid=torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=torch.float64),
-                      page_table=torch.zeros(nb, 8, dtype=torch.int32))
+                      page_table=torch.zeros(nb, 8, dtype=torch.int32), scratch_slot=nb)
     return mac, mac.decode_plans(geometry, rows)
 
 
@@ -164,15 +167,15 @@ def test_mac_owns_its_plans_diagnostics_and_match_view(monkeypatch):
     # one plan per distinct configuration: layer 2 (MAC off) runs layer 0's plan's full-attention path
     assert set(plans.plans) == {plan_key(config.for_layer(layer)) for layer in range(3)} and len(plans.plans) == 2
     assert plans.plans[plan_key(config.for_layer(1))].kw["window"] == 32
-    assert mac.decode_graph_key() is True
+    assert mac.decode_graph_key([40]) == (True, True) and mac.decode_graph_keys() == ((True, True),)
     mac.collect_diagnostics = False
-    assert mac.decode_graph_key() is False
+    assert mac.decode_graph_key([40]) == (False, True)
     g = torch.Generator().manual_seed(0)
     for layer in (0, 1):      # what the MAC layers' attend writes each step
         plans.match_pos[layer] = torch.randint(-1, 40, (4, 4), generator=g)
-    mac.record_decode_step(plans, False)                      # the variant without diagnostics records nothing
+    mac.record_decode_step(plans, (False, True))              # the variant without diagnostics records nothing
     assert mac.state.diagnostics.steps.sum() == 0
-    mac.record_decode_step(plans, True)
+    mac.record_decode_step(plans, (True, True))
     want = MacDiagnostics.zeros(3, 4, mac.num_slots)
     for layer, mp in plans.match_pos.items():                 # the per-layer record of the real rows
         want.record(layer, mp[:3], plans.rows.positions[:3], config.for_layer(layer).band, plans.rows.slots[:3])

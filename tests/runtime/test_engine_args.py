@@ -23,9 +23,9 @@ def _signature(engine) -> tuple:
 
 
 KW = dict(max_batch_size=3, max_seq_len=96, block_size=8, mac_tau=0.4, mac_window=32, mac_band=8,
-          max_num_batched_tokens=40)
+          mac_min_context=40, max_num_batched_tokens=40)
 FLAGS = ["--max-batch-size", "3", "--max-seq-len", "96", "--block-size", "8", "--tau", "0.4", "--window", "32",
-         "--band", "8", "--max-num-batched-tokens", "40"]
+         "--band", "8", "--min-context", "40", "--max-num-batched-tokens", "40"]
 
 
 def test_every_surface_builds_the_same_engine(tmp_path):
@@ -84,8 +84,10 @@ def test_json_round_trip_and_bad_values_are_named():
         EngineArgs(dtype="int8")
     with pytest.raises(ValueError, match="max_batch_size"):
         EngineArgs(max_batch_size=0)
-    with pytest.raises(ValueError, match="mac_tau / mac_window / mac_band configure MAC"):
+    with pytest.raises(ValueError, match="mac_tau / mac_window / mac_band / mac_min_context configure MAC"):
         EngineArgs(method="full", mac_tau=0.5)
+    with pytest.raises(ValueError, match="min_context must be"):
+        EngineArgs(mac_min_context=-1)
     with pytest.raises(ValueError, match="kv_offload is retrieval-completion's option"):
         EngineArgs(kv_offload="host")
     with pytest.raises(ValueError, match="not 'nowhere'|nothing is downloaded"):

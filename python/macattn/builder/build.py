@@ -95,6 +95,7 @@ def build_engine_dir(family: str, out: str | Path, *, mac: MacConfig, hf_dir: st
     if not isinstance(mac, MacConfig):
         raise TypeError(f"mac must be a MacConfig, got {type(mac).__name__}")
     mac.require_engine_support("macattn build (the ONNX decode graph)", match_modes=EXPORT_MATCH_MODES)
+    mac.require_from_first_step("macattn build (the ONNX decode graph)")
     out = Path(out)
     stages = ["load model", "save hf/", "export decode.onnx", "export prefill.onnx", "check ONNX",
               "manifest", "TensorRT engine"]

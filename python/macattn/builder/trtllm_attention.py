@@ -130,6 +130,7 @@ def mac_network_io(cfg: MacConfig, num_layers: int, *, max_batch: int, num_heads
     """
     if not isinstance(cfg, MacConfig):
         raise TypeError(f"cfg must be a MacConfig, got {type(cfg).__name__}")
+    cfg.require_from_first_step("the TensorRT-LLM attention swap")
     _pos_int("num_layers", num_layers)
     _pos_int("max_batch", max_batch)
     _pos_int("num_heads", num_heads)
@@ -270,6 +271,7 @@ def make_mac_attention(base, cfg: MacConfig, creators: dict, *, max_batch: int, 
     Written against TRT-LLM sources, never built or run here.
     """
     _pos_int("max_batch", max_batch)
+    cfg.require_from_first_step("the TensorRT-LLM attention swap")
     import tensorrt as trt
     from tensorrt_llm import functional as F
     from tensorrt_llm._common import default_net, default_trtnet

@@ -96,10 +96,14 @@ class PrefillSegment:
         """Prompt position after its last token."""
         return self.start + self.length
 
+    @property
+    def prompt_length(self) -> int:
+        """The request's prompt length: where its prefill ends (``prompt_end``, or this chunk's ``end``)."""
+        return self.end if self.prompt_end is None else self.prompt_end
+
     def last_positions(self, n: int) -> int:
         """How many of this chunk's positions are among the prompt's last ``n`` (0 .. ``length``)."""
-        end = self.end if self.prompt_end is None else self.prompt_end
-        return max(0, self.end - max(self.start, end - n))
+        return max(0, self.end - max(self.start, self.prompt_length - n))
 
 
 def varlen_applies(query: torch.Tensor) -> bool:

@@ -26,7 +26,7 @@ runtime calls the rest.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Hashable, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Hashable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -151,13 +151,16 @@ class DecodeRows:
     positions ``[nb]`` int64: each row's decode position ``m`` (0 on padding rows);
     slots ``[nb]`` int64: the rows' per-request state slots (padding: the runtime's scratch slot);
     valid ``[nb]`` fp64: 1 on a request's row, 0 on padding (weights of per-step statistics);
-    page_table ``[nb, max_pages]`` int32: each row's KV block ids (padding: the scratch block).
+    page_table ``[nb, max_pages]`` int32: each row's KV block ids (padding: the scratch block);
+    scratch_slot: the runtime's scratch state slot (padding rows' ``slots``), never handed to a request: what a
+    step writes there no request reads.
     """
 
     positions: torch.Tensor
     slots: torch.Tensor
     valid: torch.Tensor
     page_table: torch.Tensor
+    scratch_slot: int
 
 
 class DecodePlans:
@@ -176,6 +179,9 @@ class DecodePlans:
 
     def __init__(self, geometry: DecodeGeometry, rows: DecodeRows) -> None:
         self.geometry, self.rows = geometry, rows
+        # the method's decode_graph_key of the step being run, set by the runtime before every step (eager,
+        # captured or replayed): a variant's launches may differ (MAC before min_context: no match)
+        self.variant: Hashable = None
 
     @property
     def page_table(self) -> torch.Tensor:
@@ -316,11 +322,18 @@ class AttentionMethod:
         ``capabilities.paged_kv`` is set. Default: ``FullDecodePlans`` (``attend_full``)."""
         return FullDecodePlans(geometry, rows)
 
-    def decode_graph_key(self) -> Hashable:
+    def decode_graph_key(self, positions: Sequence[int]) -> Hashable:
         """This instance's part of the key of the captured variant a decode step replays, read on the
-        host before every step (a static setting: MAC's ``collect_diagnostics``); each distinct value is
-        captured once per bucket and handed to ``record_decode_step``. Default: None (one variant)."""
+        host before every step from the step's decode ``positions`` (host ints, one per request) and its
+        static settings (MAC: ``collect_diagnostics``, and whether any row has reached ``min_context``); each
+        distinct value is captured once per bucket, set as the plans' ``variant`` before the step runs and
+        handed to ``record_decode_step``. Default: None (one variant)."""
         return None
+
+    def decode_graph_keys(self) -> tuple[Hashable, ...]:
+        """Every value ``decode_graph_key`` takes under the current settings (the runtime captures each at
+        start-up). Default: the key of an empty step."""
+        return (self.decode_graph_key(()),)
 
     def record_decode_step(self, plans: DecodePlans | None, key: Hashable) -> None:
         """Device work at the end of a decode step (after the layers and the sampler), inside the

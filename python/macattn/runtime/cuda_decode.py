@@ -126,7 +126,8 @@ class CudaDecoder:
         geometry = DecodeGeometry(batch_size=nb, max_context=ex.config.max_seq_len, page_size=ex.config.block_size,
                                   num_q_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads,
                                   head_dim=ex.head_dim, dtype=ex.dtype, device=dev)
-        rows = DecodeRows(positions=b.positions, slots=b.slots, valid=b.valid, page_table=b.page_table)
+        rows = DecodeRows(positions=b.positions, slots=b.slots, valid=b.valid, page_table=b.page_table,
+                          scratch_slot=ex.scratch_slot)
         b.plans = ex.method.decode_plans(geometry, rows)
         return b
 
@@ -155,6 +156,8 @@ class CudaDecoder:
         the penalties: the rows' token counts read, the step's tokens counted), then the method's
         ``record_decode_step`` for ``method_key``. Returns ``(tokens [nb], logits [nb, V])``."""
         ex = self.ex
+        if b.plans is not None:
+            b.plans.variant = method_key
         if not self.paged_kv:
             with ex.step(slots=b.slots, positions=b.positions):
                 logits = ex.run_model(b.ids, b.positions.view(b.nb, 1))
@@ -206,9 +209,10 @@ class CudaDecoder:
         """Capture every bucket's greedy step now (what ``step`` would capture on first use); returns the sizes."""
         if not self.use_cuda_graphs:
             return []
-        key = self.step_key([])
-        for nb in self.sizes:
-            self._bucket(nb, key)
+        variant = self.step_key([])[0]
+        for method_key in self.ex.method.decode_graph_keys():
+            for nb in self.sizes:
+                self._bucket(nb, (variant, method_key))
         return list(self.sizes)
 
     def _bucket(self, nb: int, key: tuple[SamplerVariant, Hashable]) -> DecodeBucket:
@@ -223,8 +227,9 @@ class CudaDecoder:
     # --- one step --------------------------------------------------------------------------
     def step_key(self, seqs) -> tuple[SamplerVariant, Hashable]:
         """Which captured variant a step of ``seqs`` replays: ``(SamplerVariant of their parameters, the
-        method's decode_graph_key())``."""
-        return SamplerVariant.of([s.sampling for s in seqs]), self.ex.method.decode_graph_key()
+        method's decode_graph_key of their positions)``."""
+        return (SamplerVariant.of([s.sampling for s in seqs]),
+                self.ex.method.decode_graph_key([s.num_tokens - 1 for s in seqs]))
 
     @torch.inference_mode()
     def step(self, seqs, feed: TokenFeed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,6 +246,8 @@ class CudaDecoder:
         if feed is not None:
             feed.write(b.ids, seqs)
         if self.use_cuda_graphs:
+            if b.plans is not None:
+                b.plans.variant = key[1]
             b.graphs[key].replay()
             tokens, logits = b.outputs[key]
             logits = logits[:B].clone()

@@ -5,7 +5,9 @@
 ``macattn triton-repo`` (the repository's models carry one ``engine_args`` JSON parameter) and
 ``ModelRunner.from_hf`` all build their engine through it, so a field means the same everywhere:
 ``mac=None`` is MAC with its defaults (on), ``use_cuda_graphs=None`` is on exactly on CUDA, every MAC flag
-(``mac`` file, ``mac_tau``, ``mac_window``, ``mac_band``) exists on every surface.
+(``mac`` file, ``mac_tau``, ``mac_window``, ``mac_band``, ``mac_min_context``) exists on every surface, and
+``mac_min_context=None`` engages MAC from ``DEFAULT_CUDA_MIN_CONTEXT`` on CUDA (where full attention is faster
+below it), from the first step elsewhere.
 
     args = EngineArgs(model="builtin", device="cuda", max_batch_size=16)
     engine = args.build_engine()                 # or args.build_engine(model_object)
@@ -27,7 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, get_type_hints
 
-from macattn.methods.mac.config import MacConfig
+from macattn.methods.mac.config import DEFAULT_CUDA_MIN_CONTEXT, MacConfig
 from macattn.models.names import BUILTIN_MODEL, BUILTIN_NAMES
 
 if TYPE_CHECKING:                  # torch and the runtime load when an engine is configured, not with the flags
@@ -45,7 +47,8 @@ _PATH_FIELDS = ("model", "tokenizer", "mac", "completion_maps", "completion_gate
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")   # any one: a tokenizer
 # flag spellings kept beside the generated ``--field-name`` ones
 _ALIASES = {"tensor_parallel_size": ("--tp",), "mac": ("--per-layer",), "mac_tau": ("--tau",),
-            "mac_window": ("--window",), "mac_band": ("--band",), "max_seq_len": ("--max-model-len",)}
+            "mac_window": ("--window",), "mac_band": ("--band",), "mac_min_context": ("--min-context",),
+            "max_seq_len": ("--max-model-len",)}
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,9 @@ class EngineArgs:
     """MAC ring capacity K >= 1 over the file's / default global value"""
     mac_band: int | None = None
     """MAC rectification band r >= 0 over the file's / default global value"""
+    mac_min_context: int | None = None
+    """MAC engages at decode positions >= this (below: full attention, rings untouched); None = the file's value
+    where it sets one, else DEFAULT_CUDA_MIN_CONTEXT (8192, the measured crossover) on CUDA and 0 elsewhere"""
     completion_maps: str | None = None
     """method completion: distilled feature maps directory (default: untrained init)"""
     completion_gate: str | None = None
@@ -148,10 +154,12 @@ class EngineArgs:
                 raise ValueError(f"{given[0]} is retrieval-completion's option; method={self.method!r} takes none")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.method != "mac" and any(v is not None for v in (self.mac, self.mac_tau, self.mac_window, self.mac_band)):
-            raise ValueError(f"mac / mac_tau / mac_window / mac_band configure MAC; method={self.method!r} takes none")
-        if self.mac == _MAC_OFF and any(v is not None for v in (self.mac_tau, self.mac_window, self.mac_band)):
-            raise ValueError("mac='off' takes no mac_tau / mac_window / mac_band")
+        flags = (self.mac_tau, self.mac_window, self.mac_band, self.mac_min_context)
+        if self.method != "mac" and any(v is not None for v in (self.mac, *flags)):
+            raise ValueError(f"mac / mac_tau / mac_window / mac_band / mac_min_context configure MAC; "
+                             f"method={self.method!r} takes none")
+        if self.mac == _MAC_OFF and any(v is not None for v in flags):
+            raise ValueError("mac='off' takes no mac_tau / mac_window / mac_band / mac_min_context")
         self.runtime_config()               # the runtime's own checks, now
         if self.method == "mac":
             self.mac_config()
@@ -167,25 +175,33 @@ class EngineArgs:
 
         return None if DTYPES[self.dtype] is None else getattr(torch, DTYPES[self.dtype])
 
+    @property
+    def _on_cuda(self) -> bool:
+        import torch
+
+        return torch.device(self.device).type == "cuda" if _is_device(self.device) else False
+
     def mac_config(self) -> MacConfig | None:
         """MAC's config (None when the method is not MAC): the file (or the defaults), the explicit global
-        values on top; ``MacConfig(enabled=False)`` for ``mac='off'``."""
+        values on top; ``MacConfig(enabled=False)`` for ``mac='off'``. ``min_context``: ``mac_min_context``, else
+        the file's where it is not 0, else ``DEFAULT_CUDA_MIN_CONTEXT`` on CUDA (0 elsewhere)."""
         if self.method != "mac":
             return None
         if self.mac == _MAC_OFF:
             return MacConfig(enabled=False)
         base = (MacConfig.from_dict(self.mac) if isinstance(self.mac, dict)
                 else MacConfig.load(self.mac) if self.mac and self.mac != _MAC_ON else MacConfig())
-        kw = {k: v for k, v in (("tau", self.mac_tau), ("window", self.mac_window), ("band", self.mac_band))
-              if v is not None}
-        return replace(base, **kw) if kw else base
+        min_context = self.mac_min_context
+        if min_context is None:
+            min_context = base.min_context or (DEFAULT_CUDA_MIN_CONTEXT if self._on_cuda else 0)
+        kw = {k: v for k, v in (("tau", self.mac_tau), ("window", self.mac_window), ("band", self.mac_band),
+                                ("min_context", min_context)) if v is not None}
+        return replace(base, **kw)
 
     def runtime_config(self) -> RuntimeConfig:
-        import torch
-
         from macattn.runtime.config import RuntimeConfig
 
-        cuda = torch.device(self.device).type == "cuda" if _is_device(self.device) else False
+        cuda = self._on_cuda
         return RuntimeConfig(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
                              block_size=self.block_size, num_blocks=self.num_blocks, device=self.device,
                              use_cuda_graphs=cuda if self.use_cuda_graphs is None else self.use_cuda_graphs,

@@ -26,7 +26,8 @@ from macattn.methods.mac.decode_plans import MacDecodePlans
 from macattn.methods.mac.match_sketch import sketch
 from macattn.methods.mac.reference import mac_match_two_stage_reference
 from macattn.methods.mac.seeding import (band_split_applies, band_split_attention, fresh_split_attention,
-                                         packed_seeding_applies, packed_seeds, seed_packed_, seed_rings_, tail_summaries)
+                                         packed_seeding_applies, packed_seeds, ring_positions, seed_packed_, seed_rings_,
+                                         tail_summaries)
 from macattn.methods.mac.state import MacState
 
 __all__ = ["MacAttention"]
@@ -124,19 +125,25 @@ class MacAttention(AttentionMethod):
         """One ``MacDecodePlan`` per distinct layer configuration (``MacDecodePlans``)."""
         return MacDecodePlans(geometry, rows, self.config, self.dims.num_layers)
 
-    def decode_graph_key(self) -> bool:
-        """``collect_diagnostics``: the step with the diagnostics' accumulation is its own captured variant."""
-        return self.collect_diagnostics
+    def decode_graph_key(self, positions) -> tuple[bool, bool]:
+        """``(collect_diagnostics, engaged)``: the step with the diagnostics' accumulation is its own captured
+        variant, and so is the step where no row has reached ``min_context`` (engaged False: the MAC layers
+        attend in full, ``MacDecodePlans``)."""
+        return self.collect_diagnostics, any(self.config.engages(m) for m in positions) or self.config.min_context == 0
+
+    def decode_graph_keys(self) -> tuple[tuple[bool, bool], ...]:
+        """The variants a step of the current settings can take: engaged only, or both with ``min_context``."""
+        return tuple((self.collect_diagnostics, engaged) for engaged in (True, False)[: 1 + (self.config.min_context > 0)])
 
     def record_decode_step(self, plans: MacDecodePlans | None, key: bool) -> None:
         """With diagnostics on (``key``), the step's hit / skip / gap per layer and per request slot from the
         plans' ``match_pos`` (inside the captured step: no host work per step)."""
-        if key and plans is not None:
+        if key[0] and plans is not None:
             plans.record_diagnostics(self.state.diagnostics)
 
     def decode_step_done(self, plans: MacDecodePlans | None, batch_size: int) -> None:
         """``last_match_pos``: the step's decisions, views of the plans' buffers (sliced when read)."""
-        if plans is not None and plans.match_pos:
+        if plans is not None:
             self.last_match_pos = plans.latest_match_pos(batch_size)
 
     # --- plain transformers use (no runtime) -------------------------------------------------
@@ -165,14 +172,17 @@ class MacAttention(AttentionMethod):
         S = key.shape[2]
         params = self.config.for_layer(layer)
         q_pre = self.match_query(layer, q_pre)
+        min_context = self.config.min_context
         if step.prefill is not None:         # a packed call: attend, seeding each segment's ring row on its K/V
             plan = step.prefill
             if not params.enabled:           # a layer with MAC off never reads its ring: nothing to seed
                 return plan.attend(layer, query, key, value, scale)
-            if plan.varlen(query) is not None and packed_seeding_applies(plan.segments, params.window, params.band):
+            if plan.varlen(query) is not None and packed_seeding_applies(plan.segments, params.window, params.band,
+                                                                         min_context):
                 out = plan.attend(layer, query, key, value, scale)     # every segment at once, then every ring
                 seeds = plan.memo(("mac", params.window, params.band),
-                                  lambda: packed_seeds(plan.segments, params.window, params.band, query.device))
+                                  lambda: packed_seeds(plan.segments, params.window, params.band, query.device,
+                                                       min_context))
                 if seeds is not None:
                     seed_packed_(self.state, layer, seeds, query, q_pre, key, value, scale=scale)
                 return out
@@ -180,7 +190,7 @@ class MacAttention(AttentionMethod):
 
             def attention(i, q, k, v):
                 # a segment holding ring positions: its attention yields their summaries (no second pass to seed)
-                if plan.segments[i].last_positions(params.window) == 0:
+                if ring_positions(plan.segments[i], params.window, min_context) == 0:
                     return None
                 if q.shape[2] == k.shape[2]:        # fresh: the ring's tail attends apart from the rest
                     got = fresh_split_attention(q, k, v, window=params.window, band=params.band, scale=scale)
@@ -195,8 +205,8 @@ class MacAttention(AttentionMethod):
 
             def seed(i, k, v):
                 seg = plan.segments[i]
-                keep = seg.last_positions(params.window)
-                if keep == 0:     # a later chunk writes every ring column (it holds the prompt's last K)
+                keep = ring_positions(seg, params.window, min_context)
+                if keep == 0:     # a later chunk writes every ring column (it holds the prompt's last K), or none
                     return
                 part = slice(seg.offset, seg.offset + seg.length)
                 self._seed(layer, plan.slot_row(i, query.device), params, query[:, :, part], q_pre[:, :, part],
@@ -211,6 +221,8 @@ class MacAttention(AttentionMethod):
             raise RuntimeError("MAC prefill of a continued sequence without a batch; call start_batch first")
         if S != T and step.rings is not None:
             raise NotImplementedError("graph export supports prefill of a fresh prompt only")
+        if S < min_context:                  # the decode starts below where MAC engages: no ring to seed
+            return out
         self._seed(layer, slots.to(query.device), params, query, q_pre, key, value, scale, rings=step.rings)
         return out
 
@@ -271,20 +283,56 @@ class MacAttention(AttentionMethod):
                                                         params.band, params.tau)
         else:
             match_pos = torch.full((B, Hq), -1, dtype=torch.int64, device=query.device)
+        below = None
+        if params.enabled and self.config.min_context > 0:     # rows before MAC engages: full, rings untouched
+            if step.rings is not None:
+                raise NotImplementedError("graph export runs MAC from the first step (MacConfig(min_context=0))")
+            below = positions < self.config.min_context
+            match_pos = match_pos.masked_fill(below[:, None], -1)
+            kept = _RingColumns(rings + (() if sring is None else (sring,)), slots, positions)
         out = torch.ops.macattn.mac_attend(q, qp, key, value, positions, match_pos, slots, *rings,
                                            params.band, float(scale))
         if sring is not None:    # the append's sketch (mac_attend appended qp to the ring)
             index_store_(sring, (slots, slice(None), positions % sring.shape[2]),
                          sketch(qp.to(rings[0].dtype), params.match_sketch))
+        if below is not None:
+            kept.restore(below)
         if not isinstance(self.last_match_pos, dict):      # the GPU decoder's read-only view
             self.last_match_pos = {}
         self.last_match_pos[layer] = match_pos
         if self.collect_diagnostics and step.rings is None:
             self.state.diagnostics.record(layer, match_pos, positions, params.band,
-                                          slots if step.slots is not None else None)
+                                          slots if step.slots is not None else None,
+                                          weights=None if below is None else (~below).to(torch.float64))
         if self.record_error:
             full = full_attention_reference(q, key, value, positions, scale=scale)
             err = (out.to(full.dtype) - full).norm() / full.norm().clamp(min=1e-30)
             self.layer_errors.setdefault(layer, []).append(float(err))
         return out.unsqueeze(1)
 
+
+
+class _RingColumns:
+    """The ring column each decode row's append writes (``(slot, :, m mod K)`` of ``qring / oring / ring_lse``
+    and the sketch ring, ``(slot, m mod K)`` of ``ring_pos``), read before the append so that ``restore`` can put
+    back the rows that must leave their ring as it was. Tensor ops only, no host synchronisation."""
+
+    def __init__(self, rings: tuple[torch.Tensor, ...], slots: torch.Tensor, positions: torch.Tensor) -> None:
+        self.rings, self.slots = rings, slots
+        self.cols = positions % rings[0].shape[2]
+        self.saved = [self._column(r).clone() for r in rings]
+
+    def _index(self, ring: torch.Tensor) -> tuple:
+        return (self.slots, self.cols) if ring.dim() == 2 else (self.slots, slice(None), self.cols)
+
+    def _column(self, ring: torch.Tensor) -> torch.Tensor:
+        index = self._index(ring)
+        return ring.view(torch.uint8)[index] if ring.dtype.itemsize == 1 and ring.is_floating_point() else ring[index]
+
+    def restore(self, rows: torch.Tensor) -> None:
+        """Put back the saved columns of the rows where ``rows [B]`` bool is set."""
+        for ring, saved in zip(self.rings, self.saved):
+            now = self._column(ring)
+            keep = rows.view(-1, *([1] * (now.dim() - 1)))
+            view = ring.view(torch.uint8) if ring.dtype.itemsize == 1 and ring.is_floating_point() else ring
+            view[self._index(ring)] = torch.where(keep, saved, now)

@@ -1,8 +1,8 @@
 """Frozen, validated configuration for MAC-Attention (docs/spec.md §1).
 
-``MacConfig`` holds the global defaults (window ``K``, band ``r``, threshold ``tau``)
-and optional per-layer overrides; ``MacConfig.for_layer(i)`` resolves the values one
-layer uses as a ``LayerMacParams``.
+``MacConfig`` holds the global defaults (window ``K``, band ``r``, threshold ``tau``, the context
+``min_context`` from which MAC engages) and optional per-layer overrides; ``MacConfig.for_layer(i)``
+resolves the values one layer uses as a ``LayerMacParams``.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from macattn.core.validation import check_bool, check_choice, check_float, check
 
 __all__ = ["LayerMacParams", "MacConfig", "CONTEXT_HEAVY_TAU", "GENERATION_HEAVY_TAU", "MISS_POLICIES",
            "ENGINE_MISS_POLICIES", "MATCH_MODES", "ENGINE_MATCH_MODES", "EXPORT_MATCH_MODES", "MATCH_SKETCHES",
-           "MATCH_CANDIDATES"]
+           "MATCH_CANDIDATES", "DEFAULT_CUDA_MIN_CONTEXT"]
 
 CONTEXT_HEAVY_TAU = 0.45
 GENERATION_HEAVY_TAU = 0.75
@@ -26,6 +26,12 @@ ENGINE_MATCH_MODES = ("exact", "two_stage")   # the runtime (GPU kernels, CPU re
 EXPORT_MATCH_MODES = ("exact",)    # the ONNX decode graph's MacMatch node
 MATCH_SKETCHES = ("fp8", "proj32", "proj16", "proj32_fp8")   # ``macattn.methods.mac.match_sketch``
 MATCH_CANDIDATES = (1, 2, 4, 8, 16)   # powers of two: the kernels' candidate lists are register arrays
+# The engine's MAC engages from this context on CUDA (``EngineArgs.mac_min_context=None``): the shortest context
+# at which the whole decode step of MAC with 90 % of heads hitting is no slower than full attention at B >= 4,
+# and with every head hitting at B = 1 (LLaMA-3.1-8B shapes, H100, K = 1024, r = 256;
+# benchmarks/results/bench_e2e_crossover_h100.json: at B = 16 full / MAC 90 % 9.25 / 9.69 ms at 4K, 12.04 /
+# 10.72 ms at 8K). Below it the match, which reads the whole query ring, costs more than a hit saves.
+DEFAULT_CUDA_MIN_CONTEXT = 8192
 
 
 @dataclass(frozen=True)
@@ -116,15 +122,21 @@ _DEFAULTS_LEFT_OUT = {f.name: f.default for f in fields(LayerMacParams)
 class MacConfig(LayerMacParams):
     """Global MAC parameters plus per-layer overrides.
 
+    min_context: MAC engages at decode positions ``m >= min_context`` (every layer; 0, the default, is the
+    paper: every step). A step at ``m < min_context`` attends in full over ``[0, m]`` and leaves the rings as
+    they are; a prompt of ``L < min_context`` tokens seeds no ring (its first decode step, ``m = L``, is
+    below), so a request that crosses ``min_context`` while decoding starts from an empty ring.
     layer_overrides: mapping ``layer index -> {field: value}`` for any field of ``LayerMacParams``
     (``window``, ``band``, ``tau``, ``enabled``, ``match_scale``, ...). Stored as a sorted tuple of
     ``(layer, ((field, value), ...))`` (values normalised, lists as tuples) so the config stays hashable.
     """
 
+    min_context: int = 0
     layer_overrides: tuple = field(default=())
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_int("min_context", self.min_context, 0)
         raw = self.layer_overrides
         items = tuple(raw.items()) if isinstance(raw, Mapping) else raw
         if not isinstance(items, (tuple, list, type({}.items()))):
@@ -190,6 +202,14 @@ class MacConfig(LayerMacParams):
             raise ValueError(f"{name}={value!r} is honoured by {honoured} only; {where} supports {name} in "
                              f"{allowed} (asking otherwise: {asking})")
 
+    def require_from_first_step(self, where: str) -> None:
+        """Raise ``ValueError`` where ``min_context > 0``: ``where`` (the ONNX decode graph, the TensorRT-LLM
+        attention swap) runs MAC at every decode step; the runtime honours ``min_context``."""
+        if self.min_context:
+            raise ValueError(f"min_context={self.min_context} is honoured by the runtime (LLM, macattn serve, "
+                             f"macattn generate) only; {where} runs MAC from the first decode step: accepted "
+                             f"min_context=0")
+
     def with_match_scales(self, scales) -> "MacConfig":
         """This config with the calibrated threshold: ``scales[l]`` (one value, or one per query head) is layer
         ``l``'s ``match_scale`` (``macattn.evaluation.calibration.calibrate_match_scales`` estimates them)."""
@@ -204,9 +224,13 @@ class MacConfig(LayerMacParams):
         return replace(self, layer_overrides=merged)
 
     # --- per-layer file (written by `macattn tune`, read by `macattn build` and ModelRunner)
+    def engages(self, position: int) -> bool:
+        """Whether MAC matches at decode position ``m = position`` (``m >= min_context``)."""
+        return position >= self.min_context
+
     def to_dict(self) -> dict:
         d = asdict(self)
-        for name, default in _DEFAULTS_LEFT_OUT.items():
+        for name, default in {**_DEFAULTS_LEFT_OUT, "min_context": 0}.items():
             if d[name] == default:
                 del d[name]
         d["layer_overrides"] = {str(i): {k: list(v) if isinstance(v, tuple) else v for k, v in f}
@@ -217,7 +241,7 @@ class MacConfig(LayerMacParams):
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "MacConfig":
-        unknown = set(d) - set(_LAYER_FIELDS) - {"layer_overrides"}
+        unknown = set(d) - set(_LAYER_FIELDS) - {"layer_overrides", "min_context"}
         if unknown:
             raise ValueError(f"unknown MacConfig fields {sorted(unknown)}")
         return cls(**d)

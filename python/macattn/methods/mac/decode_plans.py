@@ -8,6 +8,13 @@ off runs the same plan's full-attention path. Each MAC layer's ``match_pos`` ``[
 miss) is copied into a per-layer buffer of the plans every step, from which the captured step records
 MAC's diagnostics (``record_diagnostics``, padding rows weighted 0) and the host reads the latest step's
 decisions (``latest_match_pos``).
+
+``MacConfig.min_context`` (MAC engages at ``m >= C``) runs in two captured variants of the step, which
+``MacAttention.decode_graph_key`` picks on the host from the rows' positions (``DecodePlans.variant``): where
+every row is below ``C`` the MAC layers attend in full (``run_full``: no match, no append — the step of MAC off);
+where any row is at or past ``C`` they run MAC, and a row below ``C`` matches at position 0 (nothing to match)
+and appends into the runtime's scratch slot, which no request reads (``rows.scratch_slot``), so its own ring stays
+as it was in both variants.
 """
 from __future__ import annotations
 
@@ -64,6 +71,13 @@ class MacDecodePlans(DecodePlans):
                 self.plans[key] = self._make(*key)
         self.match_pos: dict[int, torch.Tensor] = {}
         self._diag_index: tuple | None = None
+        self.min_context = config.min_context
+        mac_layers = [layer for layer in range(num_layers) if config.for_layer(layer).enabled]
+        self._mac_layers = mac_layers
+        self._first_mac_layer = min(mac_layers, default=None)
+        self._gate: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # this step's, per variant
+        self._missed = (torch.full((geometry.batch_size, geometry.num_q_heads), -1, dtype=torch.int64,
+                                   device=geometry.device) if self.min_context > 0 else None)
 
     def _make(self, window: int, band: int, tau: float | None, match: str, sketch_kind, candidates):
         extra = {} if match != "two_stage" else dict(
@@ -76,29 +90,54 @@ class MacDecodePlans(DecodePlans):
         ``(qring, oring, ring_lse, ring_pos)``, appended to at ``positions``; ``sring`` its sketch ring
         (two-stage match), kept by the plan's append. A layer with MAC off attends to the full prefix."""
         plan = self.plans[plan_key(params)]
-        if params.enabled:
+        if params.enabled and self.engaged:
+            match_positions = None
+            if self.min_context > 0:
+                if layer == self._first_mac_layer or self._gate is None:
+                    self._gate = self._rows_below(positions, slots)
+                match_positions, slots = self._gate[1], self._gate[2]
             proj = None if sring is None else sketch_projection_of(params.match_sketch, q.shape[-1], q.device)
             out, match_pos, _ = plan.run(q, q_pre, k_pages, v_pages, positions, slots, *rings,
-                                         page_table=self.page_table, check=False, sring=sring, proj=proj)
+                                         page_table=self.page_table, check=False, sring=sring, proj=proj,
+                                         match_positions=match_positions)
             buf = self.match_pos.get(layer)
             if buf is None:
                 buf = self.match_pos[layer] = torch.empty_like(match_pos)
             buf.copy_(match_pos)
             return out
-        self.match_pos.pop(layer, None)
+        if not params.enabled:
+            self.match_pos.pop(layer, None)
         return plan.run_full(q, k_pages, v_pages, positions, page_table=self.page_table, check=False)
+
+    @property
+    def engaged(self) -> bool:
+        """Whether this step runs MAC's match (the variant ``MacAttention.decode_graph_key`` chose: its last
+        item); True before any variant was set and when ``min_context`` is 0."""
+        return self.min_context == 0 or self.variant is None or bool(self.variant[-1])
+
+    def _rows_below(self, positions: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This step's ``(below [nb] bool, match positions [nb], ring slots [nb])``: a row below ``min_context``
+        matches at position 0 (no ring entry lies before it) and appends into the scratch slot."""
+        below = positions < self.min_context
+        return below, positions.masked_fill(below, 0), slots.masked_fill(below, self.rows.scratch_slot)
 
     def record_diagnostics(self, diagnostics: MacDiagnostics) -> None:
         """Add this step's hit / skip / gap of every MAC layer to ``diagnostics`` (per layer and per
         request slot; padding rows weigh 0): tensor ops only, inside the captured step."""
-        if not self.match_pos:
+        if not self.match_pos or not self.engaged:
             return
         layers, bands = self._diag_tensors()
+        weights = self.rows.valid
+        if self.min_context > 0:                 # a row before MAC engages counts nowhere
+            weights = weights * (self.rows.positions >= self.min_context)
         diagnostics.record_layers(layers, torch.stack(list(self.match_pos.values())), self.rows.positions, bands,
-                                  self.rows.slots, weights=self.rows.valid)
+                                  self.rows.slots, weights=weights)
 
     def latest_match_pos(self, batch_size: int) -> Mapping[int, torch.Tensor]:
-        """``layer -> [batch_size, Hq]`` int64 of the latest step (views of the buffers, sliced when read)."""
+        """``layer -> [batch_size, Hq]`` int64 of the latest step (views of the buffers, sliced when read; every
+        row -1 after a step where no row had reached ``min_context``)."""
+        if not self.engaged:
+            return _RowsOf(dict.fromkeys(self._mac_layers, self._missed), batch_size)
         return _RowsOf(self.match_pos, batch_size)
 
     def _diag_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,14 @@ from macattn.methods.mac.reference import rectified_summaries_reference
 
 __all__ = ["seeded_ring_rows", "seed_rings_", "tail_summaries", "fused_seeding_applies", "band_split_applies",
            "band_split_attention", "fresh_split_attention", "PackedSeeds", "packed_seeding_applies", "packed_seeds",
-           "seed_packed_"]
+           "seed_packed_", "ring_positions"]
+
+
+def ring_positions(segment: PrefillSegment, window: int, min_context: int = 0) -> int:
+    """How many of a packed call's ``segment``'s positions its request's ring keeps: those among the prompt's
+    last ``window`` (``PrefillSegment.last_positions``), none for a prompt shorter than ``min_context`` (its
+    first decode step is below the context where MAC engages: ``MacConfig.min_context``)."""
+    return 0 if segment.prompt_length < min_context else segment.last_positions(window)
 
 
 def fused_seeding_applies(query: torch.Tensor) -> bool:
@@ -241,18 +248,19 @@ def seed_rings_(rings, slots: torch.Tensor, query: torch.Tensor, q_pre: torch.Te
     ring_pos.index_copy_(0, slots, pos_rows.to(ring_pos.dtype))
 
 
-def packed_seeding_applies(segments, window: int, band: int) -> bool:
+def packed_seeding_applies(segments, window: int, band: int, min_context: int = 0) -> bool:
     """Whether ``seed_packed_`` seeds these packed segments: every one fresh (``start == 0``), and one that keeps
-    ring positions has fewer than ``band`` tokens before its last ``min(window, L)`` (so ``fresh_split_attention``
-    would not split it: its attention is one causal call and its ring's summaries a second pass either way)."""
-    return all(s.start == 0 and (s.last_positions(window) == 0 or s.length - min(window, s.length) < band)
-               for s in segments)
+    ring positions (``ring_positions``) has fewer than ``band`` tokens before its last ``min(window, L)`` (so
+    ``fresh_split_attention`` would not split it: its attention is one causal call and its ring's summaries a
+    second pass either way)."""
+    return all(s.start == 0 and (ring_positions(s, window, min_context) == 0
+                                 or s.length - min(window, s.length) < band) for s in segments)
 
 
 @dataclass(frozen=True)
 class PackedSeeds:
     """Where a packed prefill's ring entries go (``packed_seeds``), made once per call and shared by the layers
-    with this ``(window, band)``. A segment keeping ring positions (``last_positions``) writes its last ``n =
+    with this ``(window, band)``. A segment keeping ring positions (``ring_positions``) writes its last ``n =
     min(window, L)`` — its row reset and seeded at once, as ``seed_rings_`` does — and one keeping none writes
     nothing. ``M`` entries in token order.
 
@@ -275,10 +283,10 @@ class PackedSeeds:
 
 
 def packed_seeds(segments: tuple[PrefillSegment, ...], window: int, band: int,
-                 device: torch.device) -> PackedSeeds | None:
+                 device: torch.device, min_context: int = 0) -> PackedSeeds | None:
     """The ``PackedSeeds`` of fresh packed ``segments`` (``packed_seeding_applies``); None where no segment keeps
-    a ring position. Built on the host, three copies to ``device``."""
-    kept = [(s, min(window, s.length)) for s in segments if s.last_positions(window) > 0]
+    a ring position (``ring_positions``). Built on the host, three copies to ``device``."""
+    kept = [(s, min(window, s.length)) for s in segments if ring_positions(s, window, min_context) > 0]
     if not kept:
         return None
     pos = torch.cat([torch.arange(s.length - n, s.length) for s, n in kept])

@@ -64,11 +64,12 @@ class MacDiagnostics:
                    z(num_layers, num_heads), z(num_slots, 3))
 
     def record(self, layer: int, match_pos: torch.Tensor, positions: torch.Tensor, band: int,
-               slots: torch.Tensor | None = None) -> None:
-        """Add one step of one layer: ``match_pos [B, Hq]`` (-1 miss) at ``positions [B]``."""
+               slots: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
+        """Add one step of one layer: ``match_pos [B, Hq]`` (-1 miss) at ``positions [B]`` (``weights``: as
+        ``record_layers``)."""
         dev = self.hits.device
         self.record_layers(torch.full((1,), layer, device=dev), match_pos.unsqueeze(0), positions,
-                           torch.full((1,), band, dtype=torch.float64, device=dev), slots)
+                           torch.full((1,), band, dtype=torch.float64, device=dev), slots, weights)
 
     def record_layers(self, layers: torch.Tensor, match_pos: torch.Tensor, positions: torch.Tensor,
                       bands: torch.Tensor, slots: torch.Tensor | None = None,
@@ -76,7 +77,8 @@ class MacDiagnostics:
         """Add one step of several layers: ``match_pos [n, B, Hq]`` of ``layers [n]`` int64 (their bands
         ``[n]`` fp64; both on the accumulators' device: building them per step from host lists would
         synchronise) at ``positions [B]``; ``slots [B]`` (None: no per-slot figures) the requests' rows;
-        ``weights [B]`` fp64 1 for a real row, 0 for padding (None: all real). Tensor ops only, so a
+        ``weights [B]`` fp64 1 for a row that counts, 0 for padding and for a row before MAC engages
+        (``MacConfig.min_context``; None: all count). Tensor ops only, so a
         CUDA graph can hold it."""
         dev = self.hits.device
         mp = match_pos.detach().to(dev, torch.float64)

@@ -297,12 +297,18 @@ class MacDecodePlan:
 
     # -- whole steps ----------------------------------------------------------------------------
     def run(self, q, q_pre, k, v, positions, slots, qring, oring, ring_lse, ring_pos, page_table=None, *,
-            check: bool = True, sring=None, proj=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            check: bool = True, sring=None, proj=None,
+            match_positions=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One MAC step: returns ``(out [B, Hq, d], match_pos [B, Hq] int64, dist [B, Hq] fp32)`` (plan buffers);
         the rings are updated in place. Needs a plan made with ``tau``. A two-stage plan also takes
         ``sring [S, Hq, K, DS]`` (E4M3 / bf16) and, for a projected sketch, ``proj [d, DS]`` fp32; the
-        query's sketch goes into ``sring`` at ``m mod K`` beside the ring entry."""
+        query's sketch goes into ``sring`` at ``m mod K`` beside the ring entry (at ``match_positions`` when
+        given). ``match_positions`` ``[B]`` int64: the positions the match stage sees (default ``positions``); a
+        row at 0 there matches nothing and misses (the runtime's rows before ``MacConfig.min_context``)."""
         self._need_tau()
+        if match_positions is not None and self.persistent:
+            raise ValueError("match_positions needs the four-kernel step (persistent=False)")
+        mpos = positions if match_positions is None else match_positions
         two = self.two_stage is not None
         if (sring is None) == two:
             raise ValueError("sring is the two-stage match's input: pass it exactly when the plan was made with "
@@ -320,10 +326,10 @@ class MacDecodePlan:
             self.run_persistent(q, q_pre, k, v, positions, slots, qring, oring, ring_lse, ring_pos, page_table)
             return self.out, self.match_pos, self.dist
         if two:
-            self.run_two_stage_match(q_pre, proj, qring, sring, ring_pos, ring_lse, slots, positions)
+            self.run_two_stage_match(q_pre, proj, qring, sring, ring_pos, ring_lse, slots, mpos)
             self.run_plan(positions, self.match_pos)
         else:
-            self.run_match(q_pre, qring, ring_pos, ring_lse, slots, positions)
+            self.run_match(q_pre, qring, ring_pos, ring_lse, slots, mpos)
             self.run_plan(positions)
         self.run_attention(q, k, v, positions, page_table)
         self.run_merge(q_pre, positions, slots, qring, oring, ring_lse, ring_pos)
