@@ -58,9 +58,9 @@ def test_reused_slot_never_matches_previous_request(engine):
     engine.run_to_completion()
     first = engine.pop_finished(rid).output
     assert diag.hits.sum() > 0
-    for layer in range(st.num_layers):             # release reset every row of the slot
+    for layer in range(st.num_layers):             # release emptied every row of the slot (the values stay, unread)
         q, o, lse, pos = (t[slot] for t in st.layer(layer))
-        assert (pos == -1).all() and torch.isneginf(lse).all() and (q == 0).all() and (o == 0).all()
+        assert (pos == -1).all() and torch.isneginf(lse).all()
     # poison: put the finished request's entries back with NaN summaries, into the slot the
     # next request will get. The same prompt gives identical queries (distance 0): any match
     # against them would turn the output into NaN garbage.
