@@ -16,12 +16,13 @@ in_use        ``[S]``                bool
 ============  =====================  ==========================================
 
 The sketch ring is the two-stage match's compressed copy of ``qring``: every writer of ``qring``
-(reset, ``seed``, ``sketch_rows_`` after the traceable seeding, the decode step's append) keeps
+(``seed``, ``sketch_rows_`` after the traceable seeding, the decode step's append) keeps
 ``sring[l][s] == sketch(qring[l][s])``.
 
 A request owns one slot from ``acquire()`` to ``release()``; both reset the slot's rows
-(positions ``-1``, ``lse = -inf``, queries and outputs zeroed) so no entry of one request
-is ever a match candidate for another.
+(positions ``-1``, ``lse = -inf``) so no entry of one request is ever a match candidate for
+another: every read of an entry is gated by a valid position, and the query / summary / sketch
+values left behind are never read (as the paged KV pool's freed blocks).
 """
 from __future__ import annotations
 
@@ -210,7 +211,8 @@ class MacState(SlotPool):
             index_store_(sr, slots, sketch(self.qring[layer].index_select(0, slots), kind))
 
     def clear_rows(self, layer: int, slots: torch.Tensor) -> None:
-        """Empty rows ``slots [P]`` int64 of ``layer``'s rings (``reset``'s values, one launch per ring)."""
+        """Empty rows ``slots [P]`` int64 of ``layer``'s rings, values zeroed as ``seeding.seed_rings_`` leaves the
+        columns a prompt does not fill (one launch per ring)."""
         qring, oring, lse, pos = self.layer(layer)
         qring.index_fill_(0, slots, 0)
         oring.index_fill_(0, slots, 0)
