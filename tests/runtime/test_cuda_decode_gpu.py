@@ -310,9 +310,10 @@ def test_the_method_owns_its_bucket_plans_and_graph_variants():
 def test_min_context_rows_attend_in_full_and_leave_their_ring(match):
     """``MacConfig.min_context`` on the GPU plans, fp32: a step where no row has reached ``C`` replays the variant
     whose MAC layers attend in full (bit for bit MAC off's step); in the variant with a row at ``m >= C`` a row
-    below matches nothing (full attention, within the kernels' TF32 rounding of MAC off) and appends into the scratch slot, so
-    its ring stays empty until it reaches ``C``; a request past ``C`` from its first step runs as with ``C = 0``
-    (its logits within fp32 rounding); graph = eager (the same hits); the diagnostics count the engaged rows only."""
+    below matches nothing (full attention, within the kernels' TF32 rounding of MAC off) and appends into the
+    scratch slot, so its ring stays empty until it reaches ``C``; a request past ``C`` from its first step runs as
+    with ``C = 0`` (its logits within fp32 rounding); graph = eager (the same hits); the diagnostics count the
+    engaged rows only."""
     from macattn.runtime.sampling import SamplerVariant
 
     ARGMAX = SamplerVariant(draw=False, bias=False, penalize=False)
@@ -362,7 +363,8 @@ def test_min_context_rows_attend_in_full_and_leave_their_ring(match):
     assert torch.all(diag.steps == engaged) and paper.mac_state.diagnostics.hits.sum() > 0
     assert any((ARGMAX, (True, True)) in b.graphs for b in on.executor.decoder.buckets.values())
     # the short prompts alone: every step in the variant without a match, bit for bit MAC off's step
-    alone, alone_off = run(replace(mac, min_context=C), True, short), run(replace(mac, enabled=False), True, short)
+    alone = run(replace(mac, min_context=C), True, short)
+    alone_off = run(replace(mac, enabled=False), True, short)
     assert all(set(b.graphs) == {(ARGMAX, (True, False))} for b in alone.executor.decoder.buckets.values())
     for i in short:
         assert all(torch.equal(a, b) for a, b in zip(alone.logits[i], alone_off.logits[i]))

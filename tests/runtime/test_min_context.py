@@ -122,7 +122,8 @@ def test_a_packed_varlen_call_seeds_no_ring_for_prompts_below_min_context(monkey
 def test_ring_positions_and_packed_seeds_skip_short_prompts():
     fresh = PrefillSegment(0, 40, 0, slot=1)
     chunk = PrefillSegment(40, 16, 40, slot=2, prompt_end=60)      # positions 40..55 of a 60-token prompt
-    assert ring_positions(fresh, 16) == 16 and ring_positions(fresh, 16, 41) == 0 and ring_positions(fresh, 16, 40) == 16
+    assert ring_positions(fresh, 16) == 16 and ring_positions(fresh, 16, 40) == 16
+    assert ring_positions(fresh, 16, 41) == 0
     assert ring_positions(chunk, 16, 60) == 12 and ring_positions(chunk, 16, 61) == 0
     seeds = packed_seeds((fresh, PrefillSegment(40, 60, 0, slot=2)), 16, 4, torch.device("cpu"), 50)
     assert seeds.slots.unique().tolist() == [2] and seeds.positions.tolist() == list(range(44, 60))

@@ -12,8 +12,9 @@ argmax only, or the draw with temperature / min-p / top-k / top-p, with or witho
 (logit bias, min-tokens bans) and the penalties, each captured the first time a batch needs it;
 ``method key``: ``AttentionMethod.decode_graph_key`` of the step's positions, what changes the method's
 launches or what its step records — MAC: its diagnostics, and whether a row has reached ``min_context``; each
-key is set as the plans' ``variant`` before its step runs, and ``prewarm`` captures ``decode_graph_keys()``). The host writes the inputs
-(``StepInputs``: one copy), replays, and reads the tokens back: the one synchronisation of a step.
+key is set as the plans' ``variant`` before its step runs, and ``prewarm`` captures ``decode_graph_keys()``).
+The host writes the inputs (``StepInputs``: one copy), replays, and reads the tokens back: the one
+synchronisation of a step.
 ``step`` pads a batch of ``B <= nb`` requests with rows that point at a scratch state slot (and a
 scratch KV block), owned by the executor and never handed to a request, so padding never touches a
 request's state (padding rows carry ``valid == 0`` for what the method records).

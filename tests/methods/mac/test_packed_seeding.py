@@ -46,8 +46,9 @@ def test_packed_seeding_equals_one_segment_at_a_time(name, Hq, Hkv, monkeypatch)
 def test_a_far_part_one_key_off_is_caught(monkeypatch):
     p = packed_call(CASES["every"], Hq=4, Hkv=2, d=16, dtype=torch.float64, device="cpu", seed=3)
     real = seeding.packed_seeds
-    monkeypatch.setattr(backend, "packed_seeds", lambda segs, window, band, device, min_context: real(segs, window, band - 1, device,
-                                                                            min_context))
+    monkeypatch.setattr(backend, "packed_seeds",
+                        lambda segs, window, band, device, min_context: real(segs, window, band - 1, device,
+                                                                             min_context))
     (_, rings, calls), (_, old_rings) = run_packed_and_loop(monkeypatch, p, window=K, band=B, force=True)
     assert calls == 1
     with pytest.raises(AssertionError):

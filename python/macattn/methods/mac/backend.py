@@ -26,8 +26,8 @@ from macattn.methods.mac.decode_plans import MacDecodePlans
 from macattn.methods.mac.match_sketch import sketch
 from macattn.methods.mac.reference import mac_match_two_stage_reference
 from macattn.methods.mac.seeding import (band_split_applies, band_split_attention, fresh_split_attention,
-                                         packed_seeding_applies, packed_seeds, ring_positions, seed_packed_, seed_rings_,
-                                         tail_summaries)
+                                         packed_seeding_applies, packed_seeds, ring_positions, seed_packed_,
+                                         seed_rings_, tail_summaries)
 from macattn.methods.mac.state import MacState
 
 __all__ = ["MacAttention"]
@@ -129,14 +129,16 @@ class MacAttention(AttentionMethod):
         """``(collect_diagnostics, engaged)``: the step with the diagnostics' accumulation is its own captured
         variant, and so is the step where no row has reached ``min_context`` (engaged False: the MAC layers
         attend in full, ``MacDecodePlans``)."""
-        return self.collect_diagnostics, any(self.config.engages(m) for m in positions) or self.config.min_context == 0
+        engaged = self.config.min_context == 0 or any(self.config.engages(m) for m in positions)
+        return self.collect_diagnostics, engaged
 
     def decode_graph_keys(self) -> tuple[tuple[bool, bool], ...]:
         """The variants a step of the current settings can take: engaged only, or both with ``min_context``."""
-        return tuple((self.collect_diagnostics, engaged) for engaged in (True, False)[: 1 + (self.config.min_context > 0)])
+        engaged = (True, False) if self.config.min_context > 0 else (True,)
+        return tuple((self.collect_diagnostics, e) for e in engaged)
 
-    def record_decode_step(self, plans: MacDecodePlans | None, key: bool) -> None:
-        """With diagnostics on (``key``), the step's hit / skip / gap per layer and per request slot from the
+    def record_decode_step(self, plans: MacDecodePlans | None, key: tuple[bool, bool]) -> None:
+        """With diagnostics on (``key[0]``), the step's hit / skip / gap per layer and per request slot from the
         plans' ``match_pos`` (inside the captured step: no host work per step)."""
         if key[0] and plans is not None:
             plans.record_diagnostics(self.state.diagnostics)
@@ -309,7 +311,6 @@ class MacAttention(AttentionMethod):
             err = (out.to(full.dtype) - full).norm() / full.norm().clamp(min=1e-30)
             self.layer_errors.setdefault(layer, []).append(float(err))
         return out.unsqueeze(1)
-
 
 
 class _RingColumns:
