@@ -504,9 +504,10 @@ def load_model(name: str, device: str, words: tuple[str, ...] = ()):
 
 def engine_options(args) -> tuple[dict, dict]:
     """``LLM`` keyword arguments beyond the defaults, and what the JSON says about them: each engine option
-    of the CLI (``--max-num-batched-tokens``, ``--prefill-chunk``, ``--async-scheduling``) is passed only when given and only when
-    this version's ``LLM.__init__`` takes it (the token budget is newer than the prefill chunk, which it
-    replaces); one given but not taken is reported and warned about, not passed."""
+    of the CLI (``--max-num-batched-tokens``, ``--prefill-chunk``, ``--async-scheduling``, ``--mac-min-context``)
+    is passed only when given and only when this version's ``LLM.__init__`` takes it (the token budget is newer
+    than the prefill chunk, which it replaces); one given but not taken is reported and warned about, not passed.
+    ``Server`` drops ``mac_min_context`` for MAC off and for a seeded pattern's method."""
     from macattn.apps.llm import LLM
 
     params = set(inspect.signature(LLM.__init__).parameters)

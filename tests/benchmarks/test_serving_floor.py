@@ -107,7 +107,8 @@ def _args(**kw):
 
     base = dict(workload=None, device="cpu", dry_run=False, ttft_reps=3, hit_patterns=None, model="builtin",
                 num_prompts=4, input_len=8, output_len=4, concurrency=2, max_batch_size=None, no_mac=False,
-                mac_ab=False, max_num_batched_tokens=None, prefill_chunk=None, async_scheduling=None)
+                mac_ab=False, max_num_batched_tokens=None, prefill_chunk=None, async_scheduling=None,
+                mac_min_context=None)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -160,8 +161,10 @@ def test_engine_options_pass_only_what_llm_takes(capsys):
     from macattn.runtime.engine_args import EngineArgs
 
     takes = {f.name for f in fields(EngineArgs)}          # LLM(**kwargs) takes every engine argument
-    kw, info = serving.engine_options(_args(max_num_batched_tokens=4096, prefill_chunk=64, async_scheduling=False))
-    for name, value in (("max_num_batched_tokens", 4096), ("prefill_chunk", 64), ("async_scheduling", False)):
+    kw, info = serving.engine_options(_args(max_num_batched_tokens=4096, prefill_chunk=64, async_scheduling=False,
+                                            mac_min_context=0))
+    for name, value in (("max_num_batched_tokens", 4096), ("prefill_chunk", 64), ("async_scheduling", False),
+                        ("mac_min_context", 0)):
         assert (name in kw) == (name in takes) == info[f"{name}_applied"]
         assert info[name] == value
     assert serving.engine_options(_args())[0] == {}
