@@ -156,11 +156,15 @@ def test_config_flags_and_engine_args(monkeypatch, tmp_path):
         EngineArgs(use_cuda_graphs=False, mac="off", mac_min_context=5)
 
 
-def test_the_graph_builds_refuse_min_context(tmp_path):
+def test_the_graph_builds_and_the_evaluation_refuse_min_context(tmp_path):
     from macattn.builder.build import build_engine_dir
     from macattn.builder.trtllm_attention import mac_network_io
 
     with pytest.raises(ValueError, match="macattn build .* accepted min_context=0"):
         build_engine_dir("llama", tmp_path / "e", mac=MacConfig(min_context=64))
+    from macattn.evaluation.methods import Mac
+
+    with pytest.raises(ValueError, match="evaluation's MAC step"):
+        Mac(MacConfig(min_context=64))
     with pytest.raises(ValueError, match="TensorRT-LLM attention swap"):
         mac_network_io(MacConfig(min_context=64), 2, max_batch=2, num_heads=4, head_dim=16, dtype=torch.float16)

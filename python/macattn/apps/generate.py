@@ -55,7 +55,8 @@ class GenerateReport:
 
     def table(self) -> str:
         rows = [("model", self.model), ("context / new tokens", f"{self.context} / {self.new_tokens}"),
-                ("MAC (window, band, tau)", f"{self.mac['window']}, {self.mac['band']}, {self.mac['tau']}"),
+                ("MAC (window, band, tau)", f"{self.mac['window']}, {self.mac['band']}, {self.mac['tau']}"
+                 + (f"; matches from position {self.mac['min_context']}" if self.mac.get("min_context") else "")),
                 ("hit rate", f"{self.hit_rate:.3f}"), ("skipped-prefix fraction", f"{self.skipped_prefix:.3f}"),
                 ("mean reuse gap m-p", f"{self.mean_gap:.1f}"),
                 ("greedy-token agreement", f"{self.greedy_agreement:.3f}"),

@@ -256,6 +256,7 @@ class Mac(EvalMethod):
                  maps: CompletionFeatureMaps | None = None, gen_len: int = 64, name: str | None = None) -> None:
         if not isinstance(config, MacConfig):
             raise TypeError(f"config must be a MacConfig, got {type(config).__name__}")
+        config.require_from_first_step("the evaluation's MAC step (macattn eval / tune)")
         self.mac_config = config
         self.completion = completion or MissCompletionConfig()
         self.maps = maps

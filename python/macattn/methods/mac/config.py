@@ -204,7 +204,8 @@ class MacConfig(LayerMacParams):
 
     def require_from_first_step(self, where: str) -> None:
         """Raise ``ValueError`` where ``min_context > 0``: ``where`` (the ONNX decode graph, the TensorRT-LLM
-        attention swap) runs MAC at every decode step; the runtime honours ``min_context``."""
+        attention swap, the evaluation harness's MAC step) runs MAC at every decode step; the runtime and
+        ``MacAttention``'s own decode (``macattn generate``) honour ``min_context``."""
         if self.min_context:
             raise ValueError(f"min_context={self.min_context} is honoured by the runtime (LLM, macattn serve, "
                              f"macattn generate) only; {where} runs MAC from the first decode step: accepted "
