@@ -37,7 +37,10 @@ def _engine(family: str = "llama", case: str = "mac", *, cache: bool | None = Tr
     model = tiny_model(family, seed=2)
     if case == "full":
         return LLMEngine(model, None, rc, method="full")
-    return LLMEngine(model, MAC if case == "mac" else replace(MAC, enabled=False), rc)
+    mac = {"mac": MAC, "mac_off": replace(MAC, enabled=False),
+           "mac_below": replace(MAC, min_context=100),     # every prompt here is shorter: no ring is seeded
+           "mac_engaged": replace(MAC, min_context=70)}[case]
+    return LLMEngine(model, mac, rc)
 
 
 def _turns(eng: LLMEngine, ps: list[torch.Tensor], new_tokens: int = 6) -> tuple[list, list]:
@@ -60,7 +63,7 @@ def _multi_turn() -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
-@pytest.mark.parametrize("case", ["mac", "mac_off", "full"])
+@pytest.mark.parametrize("case", ["mac", "mac_off", "mac_below", "full"])
 def test_outputs_with_the_cache_equal_outputs_without(family, case):
     ps = _multi_turn()
     plain_out, plain_logits = _turns(_engine(family, case, cache=False), ps)
@@ -136,10 +139,11 @@ def test_the_ring_after_a_hit_equals_the_ring_after_a_fresh_prefill(long, budget
 
 
 def test_a_hit_leaves_the_method_state_to_compute():
-    """MAC: at least its window K = 16 tokens computed; MAC off (no layer reads its ring) and full attention: at least
-    one (the first token's logits). A prompt asked again whole is served from its blocks up to that limit."""
+    """MAC: at least its window K = 16 tokens computed; MAC off (no layer reads its ring), MAC on a prompt shorter
+    than its ``min_context`` (no ring seeded) and full attention: at least one (the first token's logits). A prompt
+    asked again whole is served from its blocks up to that limit."""
     p = torch.cat([DOC, QUESTIONS[1]])                       # 78 tokens
-    for case, expect in (("mac", 48), ("mac_off", 64), ("full", 64)):
+    for case, expect in (("mac", 48), ("mac_engaged", 48), ("mac_off", 64), ("mac_below", 64), ("full", 64)):
         eng = _engine(case=case)
         _turns(eng, [p, p])
         assert (eng.prefix_cache_queries, eng.prefix_cache_hits) == (2 * len(p), expect)

@@ -50,7 +50,7 @@ class Capabilities:
     computes) only its heads' share of it (``macattn.models.tensor_parallel``).
     prefix_caching: a request may start from cached KV blocks of a shared prompt prefix and prefill only
     the rest (``RuntimeConfig.enable_prefix_caching``): its prefill-time state then equals a fresh
-    prefill's provided the last ``prefix_recompute_tokens()`` prompt tokens are computed. A method without it
+    prefill's provided the last ``prefix_recompute_tokens(prompt_len)`` prompt tokens are computed. A method without it
     is refused by name when prefix caching is asked for.
     """
 
@@ -284,10 +284,10 @@ class AttentionMethod:
         so the runtime may capture it (only asked when ``capabilities.cuda_graphs`` is set)."""
         return True
 
-    def prefix_recompute_tokens(self) -> int:
-        """With ``capabilities.prefix_caching``: how many of a prompt's last tokens a prefix-cache hit must still
-        prefill so the per-request state the prefill seeds equals a fresh prefill's (a hit is cut back to
-        whole blocks before them). Default 0: the method seeds nothing from the prompt."""
+    def prefix_recompute_tokens(self, prompt_len: int) -> int:
+        """With ``capabilities.prefix_caching``: how many of a ``prompt_len``-token prompt's last tokens a
+        prefix-cache hit must still prefill so the per-request state the prefill seeds equals a fresh prefill's
+        (a hit is cut back to whole blocks before them). Default 0: the method seeds nothing from the prompt."""
         return 0
 
     def check_request(self, prompt_len: int, max_new_tokens: int) -> None:

@@ -73,7 +73,7 @@ class RuntimeConfig:
         on CUDA, ``max_num_batched_tokens`` elsewhere.
     enable_prefix_caching: automatic prefix caching (vLLM's flag; ``runtime/block_manager.py``): a request whose
         prompt starts with full KV blocks another request prefilled takes those blocks and prefills only the rest
-        (at least the method's ``prefix_recompute_tokens()``, so its state equals a fresh prefill's). ``None`` = on
+        (at least the method's ``prefix_recompute_tokens(prompt_len)``, so its state equals a fresh prefill's). ``None`` = on
         where the method supports it (``Capabilities.prefix_caching``, a model without FastMKA), off elsewhere;
         ``True`` where it is not supported raises ``ValueError`` naming the method. Requests that build their KV
         their own way (A3's chunked prompts, prefix-store loads) and requests asking for ``prompt_logprobs`` (every

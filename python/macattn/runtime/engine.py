@@ -156,7 +156,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.slot_states, self.executor.blocks, on_finish=self._finished,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_prefill_tokens=config.max_prefill_tokens, packs=self.executor.packs,
-                                   prefix_recompute=self.executor.prefix_recompute_tokens() if caching else None,
+                                   prefix_recompute=self.executor.prefix_recompute_tokens if caching else None,
                                    chunk_quantum=self.executor.chunk_quantum)
         self.vocab_size = model.config.vocab_size
         self.requests: dict[int, Sequence] = {}

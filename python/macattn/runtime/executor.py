@@ -129,10 +129,10 @@ class ModelExecutor:
             raise ValueError(f"enable_prefix_caching=True is not available: {why}; pass False or None")
         return why is None
 
-    def prefix_recompute_tokens(self) -> int:
-        """Prompt tokens at the end a prefix-cache hit still prefills: at least 1 (the first token's logits),
-        at least the method's ``prefix_recompute_tokens()``."""
-        return max(1, self.method.prefix_recompute_tokens())
+    def prefix_recompute_tokens(self, prompt_len: int) -> int:
+        """Tokens at the end of a ``prompt_len``-token prompt that a prefix-cache hit still prefills: at least 1
+        (the first token's logits), at least the method's ``prefix_recompute_tokens(prompt_len)``."""
+        return max(1, self.method.prefix_recompute_tokens(prompt_len))
 
     @property
     def num_slots(self) -> int:

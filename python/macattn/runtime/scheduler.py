@@ -20,7 +20,7 @@ beyond the shared full prompt blocks); once its prompt is prefilled, ``fork`` st
 
 Prefix caching (``prefix_recompute`` set; ``runtime/block_manager.py``): at admission a request whose prompt
 packs and needs no ``prompt_logprobs`` takes the longest cached prefix of whole blocks that leaves at least
-``prefix_recompute`` prompt tokens to compute, and starts with ``num_prefilled`` there: its prefill is a
+``prefix_recompute(prompt length)`` prompt tokens to compute (the method's need, ``prefix_recompute_tokens``), and starts with ``num_prefilled`` there: its prefill is a
 continued chunk over the cached K/V. ``commit`` registers the full prompt blocks a prefill call wrote.
 """
 from __future__ import annotations
@@ -61,7 +61,8 @@ class Scheduler:
     def __init__(self, slots: SlotStates, blocks: BlockManager,
                  on_finish: Callable[[Sequence], None] | None = None, *,
                  max_num_batched_tokens: int | None = None, max_prefill_tokens: int | None = None,
-                 packs: Callable[[Sequence], bool] = lambda s: True, prefix_recompute: int | None = None,
+                 packs: Callable[[Sequence], bool] = lambda s: True,
+                 prefix_recompute: Callable[[int], int] | None = None,
                  chunk_quantum: int = 1) -> None:
         self.slots = slots
         self.blocks = blocks
@@ -71,9 +72,10 @@ class Scheduler:
         if (self.max_prefill_tokens is None) != (max_num_batched_tokens is None):
             raise ValueError("max_prefill_tokens needs max_num_batched_tokens (both None: whole prompts)")
         self.packs = packs
-        if prefix_recompute is not None and (prefix_recompute < 1 or not blocks.caching):
-            raise ValueError(f"prefix_recompute must be None or an int >= 1 over a caching BlockManager, got "
-                             f"{prefix_recompute} (caching={blocks.caching})")
+        if prefix_recompute is not None and (not callable(prefix_recompute) or not blocks.caching):
+            raise ValueError(f"prefix_recompute must be None or a callable (prompt length -> tokens >= 1 to "
+                             f"recompute) over a caching BlockManager, got {prefix_recompute!r} "
+                             f"(caching={blocks.caching})")
         self.prefix_recompute = prefix_recompute
         check_int("chunk_quantum", chunk_quantum, 1)
         self.chunk_quantum = chunk_quantum
@@ -135,7 +137,8 @@ class Scheduler:
         while self.waiting and self.slots.num_free >= 1 + len(self.waiting[0].forks):
             seq = self.waiting[0]
             looks = self._looks_up(seq)
-            cached = self.blocks.lookup(seq, len(seq.prompt) - self.prefix_recompute) if looks else []
+            cached = (self.blocks.lookup(seq, len(seq.prompt) - self.prefix_recompute(len(seq.prompt)))
+                      if looks else [])
             if not self.blocks.can_allocate(seq, cached):
                 break
             self.waiting.popleft()

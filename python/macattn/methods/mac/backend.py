@@ -98,13 +98,16 @@ class MacAttention(AttentionMethod):
     def slot_states(self):
         return {"mac": self.state}
 
-    def prefix_recompute_tokens(self) -> int:
+    def prefix_recompute_tokens(self, prompt_len: int) -> int:
         """The largest ring window ``K`` over the layers where MAC is enabled (0 when it is enabled on none: a
-        layer with MAC off never matches against its ring). A prefill seeds a ring from the pre-RoPE queries
+        layer with MAC off never matches against its ring; 0 for a prompt shorter than ``min_context``, which
+        seeds no ring). A prefill seeds a ring from the pre-RoPE queries
         of the prompt's last ``K`` positions (``_seed``), which exist only while those positions run: so a
         prefix-cache hit leaves at least ``K`` tokens to prefill. Its prefill is then a continued chunk over
         the cached K/V writing every ring column: the ring equals a fresh prefill's (bit for bit on the CPU
         reference when the rest runs as one chunk)."""
+        if prompt_len < self.config.min_context:
+            return 0
         params = [self.config.for_layer(layer) for layer in range(self.dims.num_layers)]
         return max((p.window for p in params if p.enabled), default=0)
 
