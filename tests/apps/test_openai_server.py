@@ -451,6 +451,17 @@ def test_health_and_metrics(server):
     assert counts["macattn_mac_hit_rate_count"] >= 1          # every finished MAC request observed
     assert counts["macattn_mac_hit_rate_sum"] > 0             # the repetitive prompts hit
     assert counts['vllm:generation_tokens_total{model_name="builtin"}'] >= 2
+    # vLLM v1's meanings: one inter-token observation per gap between a sequence's tokens, one mean per request
+    def itl_counts():
+        text = httpx.get(f"{url}/metrics").text
+        return [float(ln.split(" ")[1]) for name in ("vllm:inter_token_latency_seconds_count",
+                                                     "vllm:time_per_output_token_seconds_count",
+                                                     "vllm:request_time_per_output_token_seconds_count")
+                for ln in text.splitlines() if ln.startswith(name)]
+
+    before = itl_counts()
+    _post(url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 5, "n": 2, "ignore_eos": True})
+    assert [a - b for a, b in zip(itl_counts(), before)] == [8, 8, 1]     # 2 sequences x 4 gaps; 1 request
     # one registry per app: a second app on the same process does not collide
     other = build_app(server[0], "other")
     assert other is not None

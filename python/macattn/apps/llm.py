@@ -311,7 +311,8 @@ class RequestOutput:
     """``prompt`` (None for a token id prompt), ``prompt_token_ids``, ``outputs`` (``n`` ``CompletionOutput``s,
     index order), ``finished`` (all of them), ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``: per
     prompt position None for position 0, else ``{prompt token: logprob, top-k tokens: logprob}``), ``metrics``:
-    ``ttft_s`` (submission to first token), ``inter_token_latency_s`` (mean gap between later tokens),
+    ``ttft_s`` (submission to first token), ``inter_token_latency_s`` (mean gap between later tokens of a
+    sequence) and ``inter_token_latencies_s`` (every such gap, the sequences one after another),
     ``e2e_s``, ``num_generated_tokens`` (all sequences) and the method's figures of the request (of its first
     sequence; MAC: ``mac_hit_rate``, the share of its (step, layer, head) matches that hit, and ``mac_kv_skip``,
     the mean share of the prefix a step skipped)."""
@@ -643,7 +644,8 @@ class _Request:
         self.seq, self.sp, self.out, self.ids = seq, sp, out, ids
         self.index = {rid: i for i, rid in enumerate(ids)}
         self.checked = [0] * len(ids)         # text offsets searched for stop strings, per sequence
-        self.times: list[float] = []
+        self.times: list[float] = []          # every token of the request, as the output thread got it
+        self.token_times: list[list[float]] = [[] for _ in ids]      # the same per sequence
         self.start = time.perf_counter()
         self.handle: RequestHandle | None = None
 
@@ -664,7 +666,9 @@ def _record(tokenizer, step, req: _Request) -> str | None:
     if out.prompt_logprobs is None and getattr(step, "prompt_logprobs", None) is not None:
         out.prompt_logprobs = list(step.prompt_logprobs)
     if step.token is not None:
-        req.times.append(time.perf_counter())
+        now = time.perf_counter()
+        req.times.append(now)
+        req.token_times[i].append(now)
         comp.token_ids.append(step.token)
         if sp.logprobs is not None or sp.return_generation_logits:
             _logits(step, sp, comp)
@@ -689,9 +693,10 @@ def _record(tokenizer, step, req: _Request) -> str | None:
 def _finish_metrics(req: _Request) -> None:
     """``out.metrics`` of a finished request (latencies and the method's figures of its first sequence)."""
     times, out = req.times, req.out
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = tuple(b - a for seq in req.token_times for a, b in zip(seq, seq[1:]))
     out.metrics = {"ttft_s": times[0] - req.start if times else None,
                    "inter_token_latency_s": sum(gaps) / len(gaps) if gaps else None,
+                   "inter_token_latencies_s": gaps,
                    "e2e_s": time.perf_counter() - req.start,
                    "num_generated_tokens": sum(len(c.token_ids) for c in out.outputs), **req.seq.metrics}
 

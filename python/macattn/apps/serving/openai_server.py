@@ -288,9 +288,14 @@ class _Metrics:
             return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model_name)
 
         self.v_ttft = hist("vllm:time_to_first_token_seconds", "Time to first token", _LATENCY)
-        self.v_tpot = hist("vllm:time_per_output_token_seconds", "Mean time per output token after the first",
-                           _LATENCY)
-        self.v_itl = hist("vllm:inter_token_latency_seconds", "Mean gap between tokens of a request", _LATENCY)
+        # as vLLM v1 observes them: every gap between a sequence's tokens (its older name alongside), and the mean
+        # per finished request under its own name
+        self.v_itl = hist("vllm:inter_token_latency_seconds", "Gap between consecutive tokens of a sequence",
+                          _LATENCY)
+        self.v_tpot = hist("vllm:time_per_output_token_seconds", "Gap between consecutive tokens of a sequence "
+                           "(vLLM's older name of vllm:inter_token_latency_seconds)", _LATENCY)
+        self.v_req_tpot = hist("vllm:request_time_per_output_token_seconds",
+                               "Per request: mean gap between the tokens after the first", _LATENCY)
         self.v_e2e = hist("vllm:e2e_request_latency_seconds", "Request latency", _LATENCY)
         self.v_req_prompt = hist("vllm:request_prompt_tokens", "Prompt tokens per request", _TOKENS)
         self.v_req_gen = hist("vllm:request_generation_tokens", "Generated tokens per request", _TOKENS)
@@ -321,10 +326,12 @@ class _Metrics:
             self.finished_by.labels(c.finish_reason or "abort").inc()
         for hist, key in ((self.ttft, "ttft_s"), (self.itl, "inter_token_latency_s"), (self.e2e, "e2e_s"),
                           (self.mac_hit, "mac_hit_rate"), (self.mac_skip, "mac_kv_skip"), (self.v_ttft, "ttft_s"),
-                          (self.v_tpot, "inter_token_latency_s"), (self.v_itl, "inter_token_latency_s"),
-                          (self.v_e2e, "e2e_s")):
+                          (self.v_req_tpot, "inter_token_latency_s"), (self.v_e2e, "e2e_s")):
             if m.get(key) is not None:
                 hist.observe(m[key])
+        for gap in m.get("inter_token_latencies_s") or ():
+            self.v_itl.observe(gap)
+            self.v_tpot.observe(gap)
 
 
 class _PrefixCacheCounters:
