@@ -106,7 +106,7 @@ class MacAttention(AttentionMethod):
         prefix-cache hit leaves at least ``K`` tokens to prefill. Its prefill is then a continued chunk over
         the cached K/V writing every ring column: the ring equals a fresh prefill's (bit for bit on the CPU
         reference when the rest runs as one chunk)."""
-        if prompt_len < self.config.min_context:
+        if not self.config.engages(prompt_len):
             return 0
         params = [self.config.for_layer(layer) for layer in range(self.dims.num_layers)]
         return max((p.window for p in params if p.enabled), default=0)
@@ -226,7 +226,7 @@ class MacAttention(AttentionMethod):
             raise RuntimeError("MAC prefill of a continued sequence without a batch; call start_batch first")
         if S != T and step.rings is not None:
             raise NotImplementedError("graph export supports prefill of a fresh prompt only")
-        if S < min_context:                  # the decode starts below where MAC engages: no ring to seed
+        if not self.config.engages(S):       # the decode starts below where MAC engages: no ring to seed
             return out
         self._seed(layer, slots.to(query.device), params, query, q_pre, key, value, scale, rings=step.rings)
         return out
@@ -292,7 +292,7 @@ class MacAttention(AttentionMethod):
         if params.enabled and self.config.min_context > 0:     # rows before MAC engages: full, rings untouched
             if step.rings is not None:
                 raise NotImplementedError("graph export runs MAC from the first step (MacConfig(min_context=0))")
-            below = positions < self.config.min_context
+            below = ~self.config.engages(positions)
             match_pos = match_pos.masked_fill(below[:, None], -1)
             kept = _RingColumns(rings + (() if sring is None else (sring,)), slots, positions)
         out = torch.ops.macattn.mac_attend(q, qp, key, value, positions, match_pos, slots, *rings,

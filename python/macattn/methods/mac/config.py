@@ -225,8 +225,10 @@ class MacConfig(LayerMacParams):
         return replace(self, layer_overrides=merged)
 
     # --- per-layer file (written by `macattn tune`, read by `macattn build` and ModelRunner)
-    def engages(self, position: int) -> bool:
-        """Whether MAC matches at decode position ``m = position`` (``m >= min_context``)."""
+    def engages(self, position):
+        """Whether MAC matches at decode position ``m = position`` (``m >= min_context``): an int, or a tensor of
+        positions (a bool tensor of the same shape). A prompt of ``L`` tokens seeds its ring iff ``engages(L)``,
+        its first decode position. The one statement of the rule."""
         return position >= self.min_context
 
     def to_dict(self) -> dict:

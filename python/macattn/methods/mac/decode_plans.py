@@ -118,7 +118,7 @@ class MacDecodePlans(DecodePlans):
     def _rows_below(self, positions: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """This step's ``(below [nb] bool, match positions [nb], ring slots [nb])``: a row below ``min_context``
         matches at position 0 (no ring entry lies before it) and appends into the scratch slot."""
-        below = positions < self.min_context
+        below = ~self.config.engages(positions)
         return below, positions.masked_fill(below, 0), slots.masked_fill(below, self.rows.scratch_slot)
 
     def record_diagnostics(self, diagnostics: MacDiagnostics) -> None:
@@ -129,7 +129,7 @@ class MacDecodePlans(DecodePlans):
         layers, bands = self._diag_tensors()
         weights = self.rows.valid
         if self.min_context > 0:                 # a row before MAC engages counts nowhere
-            weights = weights * (self.rows.positions >= self.min_context)
+            weights = weights * self.config.engages(self.rows.positions)
         diagnostics.record_layers(layers, torch.stack(list(self.match_pos.values())), self.rows.positions, bands,
                                   self.rows.slots, weights=weights)
 

@@ -42,7 +42,7 @@ def ring_positions(segment: PrefillSegment, window: int, min_context: int = 0) -
     """How many of a packed call's ``segment``'s positions its request's ring keeps: those among the prompt's
     last ``window`` (``PrefillSegment.last_positions``), none for a prompt shorter than ``min_context`` (its
     first decode step is below the context where MAC engages: ``MacConfig.min_context``)."""
-    return 0 if segment.prompt_length < min_context else segment.last_positions(window)
+    return 0 if segment.prompt_length < min_context else segment.last_positions(window)   # MacConfig.engages(L)
 
 
 def fused_seeding_applies(query: torch.Tensor) -> bool:
