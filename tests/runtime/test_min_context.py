@@ -26,7 +26,7 @@ NEW = 16
 
 
 class _Recording(LLMEngine):
-    """Greedy, and keeps every request's ``(position, logits)`` per step and its ring rows after each step."""
+    """Greedy, and keeps every request's ``(position, logits)`` per step."""
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
