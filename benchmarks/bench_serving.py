@@ -62,7 +62,8 @@ after this benchmark's own client, and puts guidellm's summary in the record (it
 Reported: TTFT, inter-token latency (ITL: gaps between streamed chunks after the first), end-to-end
 latency (p50 / p99 / mean), request and output-token throughput, the floor and the ratios; the server's own
 means of TTFT, per-request ITL and latency over the same requests (``server_means``; for guidellm's run too), so what a
-client adds shows; JSON (device and
+client adds shows, and the quantiles of every token gap the server saw (``server_itl_quantiles_s``, from its
+``vllm:inter_token_latency_seconds`` buckets); JSON (device and
 UUID, versions, every figure; rewritten after every record) in ``benchmarks/results/bench_serving_<gpu>.json``
 or ``--out``, and a table.
 """
@@ -265,19 +266,51 @@ SERVER_MEANS = {"server_ttft_mean_s": "macattn_time_to_first_token_seconds",
 """Per-request latencies as the server measured them (its histograms), reported per record beside the client's."""
 
 
+SERVER_GAPS = "vllm:inter_token_latency_seconds"
+"""The server's histogram of every gap between a sequence's tokens (vLLM v1's meaning), whose buckets give
+``server_itl_quantiles_between``."""
+
+
 def scrape_metrics(url: str) -> dict[str, float]:
     """The server's Prometheus series this benchmark reads (``/metrics``): the ``_sum`` / ``_count`` of the MAC hit
     rate and KV skip histograms (per-request ``RequestOutput.metrics``) and of ``SERVER_MEANS``' latency
-    histograms, and generated tokens."""
-    hists = ("macattn_mac_hit_rate", "macattn_mac_kv_skip", *SERVER_MEANS.values())
-    keys = {f"{h}_{part}" for h in hists for part in ("sum", "count")} | {"macattn_generated_tokens_total"}
+    histograms, generated tokens, and ``SERVER_GAPS``' cumulative buckets (keys ``<name>_bucket:<le>``, summed over
+    its labels), read with ``prometheus_client``'s parser."""
+    from prometheus_client.parser import text_string_to_metric_families
     from run_clients import metrics_text
 
-    out = {}
-    for line in metrics_text(url).splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[0] in keys:
-            out[parts[0]] = float(parts[1])
+    hists = ("macattn_mac_hit_rate", "macattn_mac_kv_skip", *SERVER_MEANS.values())
+    keys = {f"{h}_{part}" for h in hists for part in ("sum", "count")} | {"macattn_generated_tokens_total"}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text(url)):
+        for sample in family.samples:
+            if sample.name in keys:
+                out[sample.name] = float(sample.value)
+            elif sample.name == f"{SERVER_GAPS}_bucket":
+                key = f"{sample.name}:{sample.labels['le']}"
+                out[key] = out.get(key, 0.0) + float(sample.value)
+    return out
+
+
+def server_itl_quantiles_between(before: dict, after: dict, qs=(50, 90, 99)) -> dict:
+    """Quantiles (s) of the token gaps the server observed between two scrapes, from ``SERVER_GAPS``' buckets as
+    Prometheus's ``histogram_quantile`` estimates them (linear within the bucket holding the rank; a rank in the
+    ``+Inf`` bucket reads the largest finite bound): ``{"n": gaps, "p50": ..., ...}``; ``{}`` without gaps."""
+    prefix = f"{SERVER_GAPS}_bucket:"
+    bounds = sorted((float(k[len(prefix):]), k) for k in after if k.startswith(prefix))
+    cum = [(le, after[k] - before.get(k, 0.0)) for le, k in bounds]
+    total = cum[-1][1] if cum else 0.0
+    if total <= 0:
+        return {}
+    finite = max((le for le, _ in cum if le != float("inf")), default=0.0)
+    out = {"n": int(total)}
+    for q in qs:
+        rank, lo, below = q / 100 * total, 0.0, 0.0
+        for le, c in cum:
+            if c >= rank:
+                out[f"p{q}"] = finite if le == float("inf") else lo + (le - lo) * (rank - below) / max(c - below, 1e-300)
+                break
+            lo, below = le, c
     return out
 
 
@@ -712,14 +745,17 @@ def _f(v, spec=".2f") -> str:
     return format(v, spec) if isinstance(v, (int, float)) else "-"
 
 
-def print_summary(res: dict, server: dict | None = None) -> None:
+def print_summary(res: dict, server: dict | None = None, gaps: dict | None = None) -> None:
     """Today's per-run lines: TTFT / ITL / e2e p50, p99, mean (and the server's own means, ``server_means_between``,
-    where given); requests and output tok/s."""
+    and its token gaps' quantiles, ``server_itl_quantiles_between``, where given); requests and output tok/s."""
     print(f"{'metric':<26} {'p50':>10} {'p99':>10} {'mean':>10} {'server mean':>12}")
     for key, skey in (("ttft_s", "server_ttft_mean_s"), ("itl_s", "server_itl_mean_s"), ("e2e_s", "server_e2e_mean_s")):
         s, sv = res[key], (server or {}).get(skey)
         print(f"{key:<26} " + " ".join(f"{(v * 1e3 if v is not None else float('nan')):>8.1f}ms"
                                       for v in (s["p50"], s["p99"], s["mean"], sv)))
+    if gaps:
+        print(f"server token gaps (from /metrics buckets, {gaps['n']}): " + ", ".join(
+            f"{k} ~{v * 1e3:.1f} ms" for k, v in gaps.items() if k != "n"))
     print(f"requests {res['requests']} in {res['duration_s']:.1f} s: {res['request_throughput_per_s']:.2f} req/s, "
           f"{res['output_token_throughput_per_s']:.1f} output tok/s")
 
@@ -841,10 +877,11 @@ def main(argv=None) -> int:
                 res = client_load(args.url, args.model, args, num_prompts=w.num_prompts, input_len=w.input_len,
                                   output_len=w.output_len, concurrency=w.concurrency)
             after = scrape_metrics(args.url)
-            rec.update(hit_rate_between(before, after), server_means=server_means_between(before, after))
+            rec.update(hit_rate_between(before, after), server_means=server_means_between(before, after),
+                       server_itl_quantiles_s=server_itl_quantiles_between(before, after))
             rec.update(results=res, floor=floor_for(w, None), ratios=ratios(res, {}))
             report["records"].append(rec)
-            print_summary(res, rec["server_means"])
+            print_summary(res, rec["server_means"], rec["server_itl_quantiles_s"])
             save()
         close_client()
         print(format_records(report["records"]))
@@ -912,7 +949,8 @@ def main(argv=None) -> int:
                                           input_len=w.input_len, output_len=w.output_len, concurrency=w.concurrency,
                                           seed=rec["prompt_seed"])
                     after = scrape_metrics(current.url)
-                    rec.update(hit_rate_between(before, after), server_means=server_means_between(before, after))
+                    rec.update(hit_rate_between(before, after), server_means=server_means_between(before, after),
+                               server_itl_quantiles_s=server_itl_quantiles_between(before, after))
                     if args.guidellm and w.kind == "throughput":
                         gdir = Path(out or "guidellm_out").parent / f"guidellm_{w.name}"
                         try:
@@ -924,7 +962,7 @@ def main(argv=None) -> int:
                         print(f"guidellm: {json.dumps(rec['guidellm'], default=str)}", flush=True)
                     fl = floor_for(w, report["floor"])
                     rec.update(results=res, floor=fl, ratios=ratios(res, fl))
-                    print_summary(res, rec["server_means"])
+                    print_summary(res, rec["server_means"], rec["server_itl_quantiles_s"])
                     print(f"floor: prefill {fl.get('prefill_mix', '-')} {_f(fl.get('prefill_floor_ms'), '.1f')} ms "
                           f"(TTFT p50 x {_f(rec['ratios']['ttft_p50_over_prefill_floor'])}), floor output tok/s "
                           f"{_f(fl.get('floor_output_tok_per_s'), '.1f')} (measured / floor "

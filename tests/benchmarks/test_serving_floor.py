@@ -260,3 +260,29 @@ def test_percentiles_interpolate_between_ranks_as_numpy_does():
     assert serving._pct(many, 99) == 99.0 and abs(serving._pct(many[:100], 99) - 98.01) < 1e-9
     assert serving._stats(xs)["sorted"] == [1.0, 2.0, 3.0, 4.0] and "sorted" not in serving._stats(many)
     assert serving._pct([], 50) is None
+
+
+def test_server_itl_quantiles_from_the_buckets_between_two_scrapes(monkeypatch):
+    """``scrape_metrics`` reads the per-token gap histogram's buckets with prometheus_client's parser (summed over
+    labels); the quantiles are Prometheus's ``histogram_quantile`` of the buckets' increase between two scrapes."""
+    import run_clients
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    r = CollectorRegistry()
+    h = Histogram(serving.SERVER_GAPS, "gaps", ["model_name"], buckets=(0.005, 0.01, 0.1, 0.25), registry=r)
+    texts = []
+    monkeypatch.setattr(run_clients, "metrics_text", lambda url: texts[-1])
+    for v in [0.003] * 10:
+        h.labels("a").observe(v)
+    texts.append(generate_latest(r).decode())
+    before = serving.scrape_metrics("http://unused")
+    for v in [0.007] * 90 + [0.05] * 9 + [0.2]:                 # the 100 gaps between the scrapes
+        h.labels("a" if v < 0.1 else "b").observe(v)
+    texts.append(generate_latest(r).decode())
+    after = serving.scrape_metrics("http://unused")
+    q = serving.server_itl_quantiles_between(before, after)
+    assert q["n"] == 100
+    assert q["p50"] == pytest.approx(0.005 + 0.005 * 50 / 90)    # rank 50 of the 90 in (0.005, 0.01]
+    assert q["p90"] == pytest.approx(0.01)
+    assert q["p99"] == pytest.approx(0.1)
+    assert serving.server_itl_quantiles_between(after, after) == {}
