@@ -72,13 +72,18 @@ def _steps(eng, ids):
     return [eng.steps[i] for i in ids]
 
 
+@pytest.mark.parametrize("match", ["exact", "two_stage"])
 @pytest.mark.parametrize("budget", [None, 24], ids=["whole", "chunked"])
-def test_steps_before_min_context_are_full_attention_and_leave_the_ring(budget):
+def test_steps_before_min_context_are_full_attention_and_leave_the_ring(budget, match):
+    """Below ``C`` a step's logits are the MAC-off engine's and the request's ring stays empty; past ``C`` from its
+    first step, the paper's. With ``two_stage`` the E4M3 sketch ring's columns are put back through their raw bytes
+    (``core.indexing.storage_view``)."""
     ps = prompts(6, seed=8, lo=20, hi=60)           # 23, 24, 28, 47, 56, 57 tokens
     lengths = sorted(len(p) for p in ps)
     assert lengths[0] + NEW < C and lengths[-1] >= C and any(L < C <= L + NEW - 2 for L in lengths)
     runs = {}
-    for name, mac in (("on", replace(MAC, min_context=C)), ("off", replace(MAC, enabled=False)), ("paper", MAC)):
+    mac_ = MAC if match == "exact" else replace(MAC, match="two_stage", match_sketch="fp8", match_candidates=2)
+    for name, mac in (("on", replace(mac_, min_context=C)), ("off", replace(mac_, enabled=False)), ("paper", mac_)):
         eng = _engine(mac, budget)
         runs[name] = (eng, _run(eng, ps, check_rings=name == "on"))
     (on, ids), (off, off_ids), (paper, paper_ids) = runs["on"], runs["off"], runs["paper"]

@@ -644,8 +644,7 @@ class _Request:
         self.seq, self.sp, self.out, self.ids = seq, sp, out, ids
         self.index = {rid: i for i, rid in enumerate(ids)}
         self.checked = [0] * len(ids)         # text offsets searched for stop strings, per sequence
-        self.times: list[float] = []          # every token of the request, as the output thread got it
-        self.token_times: list[list[float]] = [[] for _ in ids]      # the same per sequence
+        self.token_times: list[list[float]] = [[] for _ in ids]   # per sequence, as the output thread got them
         self.start = time.perf_counter()
         self.handle: RequestHandle | None = None
 
@@ -666,9 +665,7 @@ def _record(tokenizer, step, req: _Request) -> str | None:
     if out.prompt_logprobs is None and getattr(step, "prompt_logprobs", None) is not None:
         out.prompt_logprobs = list(step.prompt_logprobs)
     if step.token is not None:
-        now = time.perf_counter()
-        req.times.append(now)
-        req.token_times[i].append(now)
+        req.token_times[i].append(time.perf_counter())
         comp.token_ids.append(step.token)
         if sp.logprobs is not None or sp.return_generation_logits:
             _logits(step, sp, comp)
@@ -692,9 +689,10 @@ def _record(tokenizer, step, req: _Request) -> str | None:
 
 def _finish_metrics(req: _Request) -> None:
     """``out.metrics`` of a finished request (latencies and the method's figures of its first sequence)."""
-    times, out = req.times, req.out
+    out = req.out
+    first = min((seq[0] for seq in req.token_times if seq), default=None)
     gaps = tuple(b - a for seq in req.token_times for a, b in zip(seq, seq[1:]))
-    out.metrics = {"ttft_s": times[0] - req.start if times else None,
+    out.metrics = {"ttft_s": None if first is None else first - req.start,
                    "inter_token_latency_s": sum(gaps) / len(gaps) if gaps else None,
                    "inter_token_latencies_s": gaps,
                    "e2e_s": time.perf_counter() - req.start,

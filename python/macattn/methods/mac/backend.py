@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 
 from macattn.core.attention import check_no_padding, full_attention_reference
-from macattn.core.indexing import index_store_
+from macattn.core.indexing import index_store_, storage_view
 from macattn.core.summaries import AttentionSummary
 from macattn.methods.base import AttentionMethod, Capabilities, DecodeGeometry, DecodeRows, ModelDims, StepContext
 from macattn.methods.mac import ops  # noqa: F401  (defines torch.ops.macattn.mac_match / mac_attend)
@@ -330,13 +330,11 @@ class _RingColumns:
         return (self.slots, self.cols) if ring.dim() == 2 else (self.slots, slice(None), self.cols)
 
     def _column(self, ring: torch.Tensor) -> torch.Tensor:
-        index = self._index(ring)
-        return ring.view(torch.uint8)[index] if ring.dtype.itemsize == 1 and ring.is_floating_point() else ring[index]
+        return storage_view(ring)[self._index(ring)]
 
     def restore(self, rows: torch.Tensor) -> None:
         """Put back the saved columns of the rows where ``rows [B]`` bool is set."""
         for ring, saved in zip(self.rings, self.saved):
             now = self._column(ring)
             keep = rows.view(-1, *([1] * (now.dim() - 1)))
-            view = ring.view(torch.uint8) if ring.dtype.itemsize == 1 and ring.is_floating_point() else ring
-            view[self._index(ring)] = torch.where(keep, saved, now)
+            storage_view(ring)[self._index(ring)] = torch.where(keep, saved, now)

@@ -71,13 +71,11 @@ class MacDecodePlans(DecodePlans):
                 self.plans[key] = self._make(*key)
         self.match_pos: dict[int, torch.Tensor] = {}
         self._diag_index: tuple | None = None
-        self.min_context = config.min_context
-        mac_layers = [layer for layer in range(num_layers) if config.for_layer(layer).enabled]
-        self._mac_layers = mac_layers
-        self._first_mac_layer = min(mac_layers, default=None)
-        self._gate: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # this step's, per variant
+        self._mac_layers = [layer for layer in range(num_layers) if config.for_layer(layer).enabled]
+        self._first_mac_layer = min(self._mac_layers, default=None)
+        self._gate: tuple[torch.Tensor, torch.Tensor] | None = None     # this step's, made by its first MAC layer
         self._missed = (torch.full((geometry.batch_size, geometry.num_q_heads), -1, dtype=torch.int64,
-                                   device=geometry.device) if self.min_context > 0 else None)
+                                   device=geometry.device) if config.min_context > 0 else None)
 
     def _make(self, window: int, band: int, tau: float | None, match: str, sketch_kind, candidates):
         extra = {} if match != "two_stage" else dict(
@@ -92,10 +90,10 @@ class MacDecodePlans(DecodePlans):
         plan = self.plans[plan_key(params)]
         if params.enabled and self.engaged:
             match_positions = None
-            if self.min_context > 0:
+            if self.config.min_context > 0:
                 if layer == self._first_mac_layer or self._gate is None:
                     self._gate = self._rows_below(positions, slots)
-                match_positions, slots = self._gate[1], self._gate[2]
+                match_positions, slots = self._gate
             proj = None if sring is None else sketch_projection_of(params.match_sketch, q.shape[-1], q.device)
             out, match_pos, _ = plan.run(q, q_pre, k_pages, v_pages, positions, slots, *rings,
                                          page_table=self.page_table, check=False, sring=sring, proj=proj,
@@ -113,13 +111,13 @@ class MacDecodePlans(DecodePlans):
     def engaged(self) -> bool:
         """Whether this step runs MAC's match (the variant ``MacAttention.decode_graph_key`` chose: its last
         item); True before any variant was set and when ``min_context`` is 0."""
-        return self.min_context == 0 or self.variant is None or bool(self.variant[-1])
+        return self.config.min_context == 0 or self.variant is None or bool(self.variant[-1])
 
-    def _rows_below(self, positions: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """This step's ``(below [nb] bool, match positions [nb], ring slots [nb])``: a row below ``min_context``
-        matches at position 0 (no ring entry lies before it) and appends into the scratch slot."""
+    def _rows_below(self, positions: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's ``(match positions [nb], ring slots [nb])``: a row below ``min_context`` matches at position
+        0 (no ring entry lies before it) and appends into the scratch slot."""
         below = ~self.config.engages(positions)
-        return below, positions.masked_fill(below, 0), slots.masked_fill(below, self.rows.scratch_slot)
+        return positions.masked_fill(below, 0), slots.masked_fill(below, self.rows.scratch_slot)
 
     def record_diagnostics(self, diagnostics: MacDiagnostics) -> None:
         """Add this step's hit / skip / gap of every MAC layer to ``diagnostics`` (per layer and per
@@ -128,7 +126,7 @@ class MacDecodePlans(DecodePlans):
             return
         layers, bands = self._diag_tensors()
         weights = self.rows.valid
-        if self.min_context > 0:                 # a row before MAC engages counts nowhere
+        if self.config.min_context > 0:          # a row before MAC engages counts nowhere
             weights = weights * self.config.engages(self.rows.positions)
         diagnostics.record_layers(layers, torch.stack(list(self.match_pos.values())), self.rows.positions, bands,
                                   self.rows.slots, weights=weights)
