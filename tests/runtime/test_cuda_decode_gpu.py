@@ -370,3 +370,59 @@ def test_min_context_rows_attend_in_full_and_leave_their_ring(match):
         assert all(torch.equal(a, b) for a, b in zip(alone.logits[i], alone_off.logits[i]))
     assert alone.mac_state.diagnostics.steps.sum() == 0
     assert all(len(mp) and all((t == -1).all() for t in mp.values()) for mp in [alone.method.last_match_pos])
+
+
+@pytest.mark.parametrize("kind", ["mac_off", "min_context", "full"])
+def test_fused_mixed_step_equals_two_calls(kind):
+    """The one-forward mixed step on the GPU (``ModelExecutor.mixed_step``; the CPU side in ``test_mixed_step.py``),
+    fp32, graphs on: with a request arriving at every step, the decode rows beside each prompt ride its packed call
+    (the prefill pieces' tail ids, the bucket plans' ``attend_full``), and every request's logits equal those of
+    the engine that runs each mixed step as two calls (within the GEMMs' TF32 rounding over other row counts);
+    with async scheduling (the pending tokens scattered into the tail on the device) the greedy tokens equal the
+    serial loop's."""
+    mac, kw = {"mac_off": (replace(MAC, enabled=False), {}), "min_context": (replace(MAC, min_context=480), {}),
+               "full": (None, dict(method="full"))}[kind]
+    prompts, new = _prompts(6, seed=4), 10
+    script = _script(6, new, seed=4)
+
+    def engine(fuse, overlap=False, forced=True):
+        cfg = RuntimeConfig(max_batch_size=4, max_seq_len=512, device="cuda", async_scheduling=overlap)
+        model = build_builtin_model("llama", seed=5).to("cuda")
+        eng = (ForcedEngine(model, mac, cfg, script=script, **kw) if forced else LLMEngine(model, mac, cfg, **kw))
+        ex, eng.fused = eng.executor, []
+        if not fuse:
+            ex.fuses = lambda decodes, chunks: False
+        else:
+            mixed = ex.mixed_step
+            ex.mixed_step = lambda d, c, feed=None: (eng.fused.append(len(d)), mixed(d, c, feed))[1]
+        return eng
+
+    def run(eng, forced=True):
+        out = {}
+        for i, p in enumerate(prompts):
+            if forced:
+                eng.add(i, p, new)
+            else:
+                out[eng.add_request(p, max_new_tokens=new)] = i
+            for o in eng.step():
+                if not forced and o.token is not None:
+                    eng.tokens.setdefault(out[o.request_id], []).append(o.token)
+        while eng.has_unfinished():
+            for o in eng.step():
+                if not forced and o.token is not None:
+                    eng.tokens.setdefault(out[o.request_id], []).append(o.token)
+        return eng
+
+    fused, apart = run(engine(True)), run(engine(False))
+    assert len(fused.fused) >= 4 and not apart.fused
+    for i in range(6):
+        assert len(fused.logits[i]) == len(apart.logits[i]) == new
+        for step, (a, b) in enumerate(zip(fused.logits[i], apart.logits[i])):
+            assert _rel(a, b) < 5e-4, f"request {i} step {step}: rel err {_rel(a, b):.2e}"
+    tokens = []
+    for overlap in (False, True):
+        eng = engine(True, overlap=overlap, forced=False)
+        eng.tokens = {}
+        tokens.append(run(eng, forced=False).tokens)
+        assert len(eng.fused) >= 4
+    assert tokens[0] == tokens[1]

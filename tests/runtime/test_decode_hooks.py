@@ -193,7 +193,32 @@ def test_mac_combines_a_requests_counts_over_the_ranks(monkeypatch):
     mac, _ = _mac_plans(monkeypatch, MacConfig(window=16, band=4, tau=0.3))
     mac.state.diagnostics.per_slot[1] = torch.tensor([8.0, 2.0, 0.5], dtype=torch.float64)
     part = mac.request_metrics_part(1)
+    assert mac.request_metrics(1) == {}         # no decode step of slot 1 engaged: the device is not read
+    mac.decoded([0, 1], [3, 40])
+    assert mac.state.diagnostics.counted == {0, 1}
     assert part == [8.0, 2.0, 0.5] and mac.request_metrics(1) == MacDiagnostics.request_of(part)
+    mac.state.reset(1)
+    assert mac.state.diagnostics.counted == {0} and mac.request_metrics(1) == {}
     assert mac.combine_request_metrics([part, [8.0, 6.0, 1.5]]) == MacDiagnostics.request_of([16.0, 8.0, 2.0])
     mac.collect_diagnostics = False
     assert mac.request_metrics_part(1) is None and mac.combine_request_metrics([None, None]) == {}
+
+
+def test_mac_counts_only_the_slots_whose_steps_engaged():
+    """``MacAttention.decoded`` marks a slot counted (``MacDiagnostics.counted``) only for a step at ``m >= min_context``
+    of a MAC layer; a fork's slot copies the mark; a reset slot loses it."""
+    from macattn.models.builtin import build_builtin_model
+    from macattn.methods.base import ModelDims
+    from macattn.methods.mac.backend import MacAttention
+
+    dims = ModelDims.of(build_builtin_model("llama", seed=0, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=64))
+    mac = MacAttention(MacConfig(window=16, band=4, tau=0.3, min_context=50), dims, num_slots=4)
+    mac.decoded([0, 1, 2], [49, 50, 10])
+    assert mac.state.diagnostics.counted == {1}
+    mac.state.copy(1, 3)
+    mac.state.copy(2, 1)
+    assert mac.state.diagnostics.counted == {3}
+    off = MacAttention(MacConfig(enabled=False), dims, num_slots=2)
+    off.decoded([0, 1], [500, 900])
+    assert not off.state.diagnostics.counted

@@ -38,6 +38,7 @@ def _run(eng, ps, new_tokens=6):
     logits = {i: [] for i in ids}
     while eng.has_unfinished():
         for o in eng.step():
+            assert o.error is None, f"request {o.request_id}: {o.error}"
             if o.logits is not None:
                 logits[o.request_id].append(o.logits.cpu())
     return [eng.pop_finished(i).output for i in ids], [logits[i] for i in ids]
@@ -91,11 +92,12 @@ def test_captured_pieces_equal_eager_on_cuda(case, budget):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_prewarm_captures_every_bucket_before_any_request():
-    from macattn.runtime.prefill_graphs import PREFILL_GRAPH_BUCKETS
+    from macattn.runtime.prefill_graphs import PREFILL_GRAPH_BUCKETS, graph_buckets
 
     eng = _engine("mac", None, device="cuda", dtype=torch.bfloat16, use_cuda_graphs=True, graphs="default")
     done = eng.executor.prewarm_graphs()
-    assert done["prefill"] == list(PREFILL_GRAPH_BUCKETS) and done["decode"]
+    assert done["prefill"] == list(graph_buckets(3)) and done["decode"]
+    assert set(PREFILL_GRAPH_BUCKETS) < set(done["prefill"]) and 1024 + 3 in done["prefill"]
     from macattn.core.ragged import continued_cudnn_shapes
     from macattn.runtime.config import quantized_chunk
 

@@ -41,8 +41,8 @@ def _run(eng, ps, ks, *, staggered=True):
     ids, got, calls = [], {}, []
     ex = eng.executor
     packed = ex._prefill_packed
-    ex._prefill_packed = lambda chunks: (calls.append([(c.seq.request_id, c.start, c.end) for c in chunks]),
-                                         packed(chunks))[1]
+    ex._prefill_packed = lambda chunks, *a: (calls.append([(c.seq.request_id, c.start, c.end) for c in chunks]),
+                                             packed(chunks, *a))[1]
     pending = list(zip(ps, ks))
     while pending or eng.has_unfinished():
         if pending:

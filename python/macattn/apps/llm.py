@@ -808,77 +808,96 @@ class RequestHandle:
             with self._lock:
                 self._waker = None
 
-    def abort(self) -> None:
-        self._loop.abort(self.request_id)
+    def abort(self, *, wait: bool = True) -> None:
+        """End the request now and free its slots (``wait`` False: before the engine's next step, without waiting
+        for the step in progress: what a server's event loop calls)."""
+        self._loop.abort(self.request_id, wait=wait)
 
 
 class _EngineLoop:
-    """Two threads serve every handle (module doc). The engine thread steps the engine back to back
-    (it is touched only under ``cv``'s lock) and hands each step's raw ``StepOutput``s to the output
-    thread, which detokenizes, checks stop strings, builds the snapshots and streams them while the
-    engine runs the next step (the host work of step n overlaps the GPU's step n + 1). A sequence that a
-    stop string ends is freed through the engine lock right after; a step the engine ran for it
-    meanwhile is dropped. A request of ``n`` sequences finishes when all have. A request the engine fails
-    (``StepOutput.finish_reason == "error"``) or whose output cannot be built ends with ``RequestError``
-    alone; a step that fails as a whole fails every request in flight with its exception."""
+    """Two threads serve every handle (module doc). The engine thread steps the engine back to back and is the
+    only thread that touches it: a submission, a release or an abort from any other thread goes into ``inbox``,
+    which the engine thread applies between two steps, so no caller (the server's event loop, the output thread)
+    ever waits for a step to end (a caller holding the engine's lock for a step stalled every stream it serves:
+    ``benchmarks/notes/serving.md``, eighth pass). The engine thread hands each step's raw ``StepOutput``s to the
+    output thread, which detokenizes, checks stop strings, builds the snapshots and streams them while the engine
+    runs the next step (the host work of step n overlaps the GPU's step n + 1). A sequence that a stop string
+    ends is freed right after (the output thread waits for that, so its final figures are the method's); a
+    step the engine ran for it meanwhile is dropped. A request of ``n`` sequences finishes when all have. A
+    request the engine fails (``StepOutput.finish_reason == "error"``) or whose output cannot be built ends with
+    ``RequestError`` alone; a step that fails as a whole fails every request in flight with its exception."""
 
     def __init__(self, llm: LLM) -> None:
         self.engine, self.tokenizer = llm.engine, llm.tokenizer     # not the LLM: it may be collected
-        self.cv = threading.Condition()
+        self.cv = threading.Condition()           # guards ``inbox``, ``stopped``, ``ended``; wakes an idle loop
+        self.inbox: list[tuple] = []              # (function, args, done event or None), applied by the loop
         self.live: dict[int, _Request] = {}       # request id (of every sequence) -> its request
         self.live_lock = threading.Lock()         # ``live`` is read by both threads
         self.stopped = False
-        self._waiters = 0                         # callers waiting for ``cv`` (the loop then steps aside)
-        self._waiters_lock = threading.Lock()
+        self.ended = False                        # the loop has returned: work is applied by its caller
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()    # lists of StepOutput; None ends the thread
         self.thread = threading.Thread(target=self._run, name="macattn-engine-loop", daemon=True)
         self.out_thread = threading.Thread(target=self._emit, name="macattn-output", daemon=True)
         self.thread.start()
         self.out_thread.start()
 
-    @contextmanager
-    def _turn(self):
-        """``cv``'s lock for a caller: a lock is not fair, and the loop re-takes it right after each step,
-        so the loop yields it while someone waits (else an abort could wait for a long generation)."""
-        with self._waiters_lock:
-            self._waiters += 1
-        try:
-            with self.cv:
-                yield
-        finally:
-            with self._waiters_lock:
-                self._waiters -= 1
+    def _apply(self, fn, *args, wait: bool = False) -> None:
+        """Run ``fn(*args)`` on the engine in the engine thread, before its next step (``wait``: return once it
+        ran); in the caller once the loop has ended."""
+        done = threading.Event() if wait else None
+        with self.cv:
+            if not self.ended:
+                self.inbox.append((fn, args, done))
+                self.cv.notify()
+                fn = None
+        if fn is not None:
+            fn(*args)
+        elif done is not None:
+            done.wait()
 
     def submit(self, req: _Request) -> RequestHandle:
         handle = req.handle = RequestHandle(self, req.request_id)
-        with self._turn():
+        with self.cv:
             if self.stopped:
                 raise RuntimeError("the LLM was shut down")
             req.start = time.perf_counter()
             with self.live_lock:
                 for rid in req.ids:
                     self.live[rid] = req
-            self.engine.submit(req.seq)
+            self.inbox.append((self._admit, (req,), None))
             self.cv.notify()
         return handle
 
-    def _release(self, request_ids) -> None:
-        """Free sequences' engine resources (no-op for those already finished)."""
-        with self._turn():
-            for rid in request_ids:
-                self.engine.abort(rid)
-                self.engine.requests.pop(rid, None)
+    def _admit(self, req: _Request) -> None:
+        """In the engine thread: queue ``req``'s sequences in the engine (a failure ends that request alone)."""
+        try:
+            self.engine.submit(req.seq)
+        except Exception as exc:   # noqa: BLE001
+            with self.live_lock:
+                for rid in req.ids:
+                    self.live.pop(rid, None)
+            req.handle._push(exc)
 
-    def abort(self, request_id: int) -> None:
+    def _free(self, request_ids) -> None:
+        """In the engine thread: end and forget sequences (no-op for those already finished)."""
+        for rid in request_ids:
+            self.engine.abort(rid)
+            self.engine.requests.pop(rid, None)
+
+    def _release(self, request_ids, *, wait: bool = False) -> None:
+        """Free sequences' engine resources (``_free``) before the engine's next step; ``wait``: return once freed."""
+        self._apply(self._free, list(request_ids), wait=wait)
+
+    def abort(self, request_id: int, *, wait: bool = False) -> None:
         with self.live_lock:
             req = self.live.get(request_id)
             if req is not None:
                 for rid in req.ids:
                     self.live.pop(rid, None)
         if req is None:
-            self._release([request_id])
+            self._release([request_id], wait=wait)
             return
-        self._release(req.ids)
+        self._release(req.ids, wait=wait)
         if not req.out.finished:
             for comp in req.out.outputs:
                 if comp.finish_reason is None:
@@ -887,7 +906,7 @@ class _EngineLoop:
             req.handle._push(_snapshot(req.out))
 
     def stop(self) -> None:
-        with self._turn():
+        with self.cv:
             self.stopped = True
             self.cv.notify()
         self.thread.join()
@@ -901,24 +920,38 @@ class _EngineLoop:
     def _run(self) -> None:
         while True:
             with self.cv:
-                while not self.engine.has_unfinished() and not self.stopped:
+                while not self.inbox and not self.engine.has_unfinished() and not self.stopped:
                     self.cv.wait()
-                if self.stopped:
+                work, self.inbox = self.inbox, []
+                if self.stopped:      # what was handed in is applied; later work runs in its caller
+                    self._run_work(work)
+                    self.ended = True
                     return
-                try:
-                    steps = self.engine.step()
-                    if steps:
-                        self._outputs.put(steps)
-                except BaseException as exc:     # noqa: BLE001 - handed to every waiter
-                    with self.live_lock:
-                        failed, self.live = self.live, {}
-                    for rid in failed:
-                        self.engine.abort(rid)
-                        self.engine.requests.pop(rid, None)
-                    for req in {id(r): r for r in failed.values()}.values():
-                        req.handle._push(exc)
-            while self._waiters and not self.stopped:      # let waiting callers take the lock first
-                time.sleep(0.0005)
+            self._run_work(work)
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                steps = self.engine.step()
+                for step in steps:           # the engine ended it: forget it here, nothing waits for that
+                    if step.finished:
+                        self.engine.requests.pop(step.request_id, None)
+                if steps:
+                    self._outputs.put(steps)
+            except BaseException as exc:     # noqa: BLE001 - handed to every waiter
+                with self.live_lock:
+                    failed, self.live = self.live, {}
+                self._free(list(failed))
+                for req in {id(r): r for r in failed.values()}.values():
+                    req.handle._push(exc)
+
+    @staticmethod
+    def _run_work(work: list[tuple]) -> None:
+        for fn, args, done in work:
+            try:
+                fn(*args)
+            finally:
+                if done is not None:
+                    done.set()
 
     def _fail(self, req: _Request, message: str) -> None:
         """End ``req`` (all its sequences) with ``RequestError(message)``; the other requests go on."""
@@ -946,7 +979,8 @@ class _EngineLoop:
                 if reason is None:
                     req.handle._push(_snapshot(req.out))
                     continue
-                self._release([step.request_id])     # frees the slot now (the method's figures are final)
+                if not step.finished:    # a stop string: free the slot now (before the method's figures are read)
+                    self._release([step.request_id], wait=True)
                 if not all(c.finished for c in req.out.outputs):
                     req.handle._push(_snapshot(req.out))
                     continue

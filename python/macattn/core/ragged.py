@@ -17,12 +17,17 @@ cuDNN's per-shape plan build (``uses_cudnn``), else on flash; the backends are t
 ``CUDA_BACKENDS`` gives, chosen by measurement (``benchmarks/bench_prefill_floor.py``;
 ``benchmarks/notes/serving.md``, "Serving at the hardware floor").
 
+A call may also carry decode rows after its segments (``DecodeTail``: the runtime's one-forward mixed step): one
+token each, at its request's position ``m``, attending over ``[0, m]`` of the paged pool through the caller's
+paged decode attention, so the streams that decode beside a prompt chunk cost no second forward.
+
 ``ragged_attention_reference`` is the plain-torch definition (explicit masks, fp32 / fp64) the tests
 hold the packed path against.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +37,7 @@ from torch.nn.attention.bias import causal_lower_right
 from macattn.core.attention import expand_kv_heads
 from macattn.core.flash_split import flash_lower_right, flash_varlen, flash_varlen_reference, kv_splits
 
-__all__ = ["PrefillSegment", "RaggedPrefill", "Varlen", "causal_attention", "split_causal_attention",
+__all__ = ["DecodeTail", "PrefillSegment", "RaggedPrefill", "Varlen", "causal_attention", "split_causal_attention",
            "ragged_attention_reference", "continued_cudnn_shapes", "prewarm_cudnn_plans", "varlen_applies",
            "varlen_attention",
            "CUDA_BACKENDS", "CUDNN_MIN_WORK", "uses_cudnn"]
@@ -104,6 +109,17 @@ class PrefillSegment:
     def last_positions(self, n: int) -> int:
         """How many of this chunk's positions are among the prompt's last ``n`` (0 .. ``length``)."""
         return max(0, self.end - max(self.start, self.prompt_length - n))
+
+
+@dataclass(frozen=True)
+class DecodeTail:
+    """Decode rows at the end of a packed call, after its segments: ``count`` tokens, each a running request's next
+    token at its position ``m`` (its K/V written to the pool with the call's). ``attend(layer, q)``: their attention,
+    ``q [count, Hq, d]`` (post-RoPE, token-major) over each row's positions ``[0, m]`` in the pool -> ``[count, Hq, d]``
+    (any float dtype; the plan casts it to the query's)."""
+
+    count: int
+    attend: Callable[[int, torch.Tensor], torch.Tensor]
 
 
 def varlen_applies(query: torch.Tensor) -> bool:
@@ -228,15 +244,19 @@ class RaggedPrefill:
     """The per-call plan of a packed prefill (``StepContext.prefill``), built by the runtime.
 
     segments: the call's ``PrefillSegment``s in token order; k_pool / v_pool: per layer the flat paged
-    pools ``[rows, Hkv, d]`` (already holding this call's K/V when a layer's attention runs).
+    pools ``[rows, Hkv, d]`` (already holding this call's K/V when a layer's attention runs); tail: the decode
+    rows after the segments (``DecodeTail``; None: none). ``num_tokens`` counts the segments' tokens, the call has
+    ``num_tokens + tail.count``.
     """
 
-    def __init__(self, segments: list[PrefillSegment], k_pool: list[torch.Tensor], v_pool: list[torch.Tensor]) -> None:
+    def __init__(self, segments: list[PrefillSegment], k_pool: list[torch.Tensor], v_pool: list[torch.Tensor],
+                 tail: DecodeTail | None = None) -> None:
         if not segments:
             raise ValueError("a packed prefill needs at least one segment")
         self.segments = tuple(segments)
         self.k_pool, self.v_pool = k_pool, v_pool
         self.num_tokens = segments[-1].offset + segments[-1].length
+        self.tail = tail
         self._slot_rows: dict = {}
         self._memo: dict = {}
 
@@ -257,7 +277,7 @@ class RaggedPrefill:
             if any(s.start or uses_cudnn(s.length, s.length) for s in self.segments):
                 return None
             cu = [s.offset for s in self.segments] + [self.num_tokens]
-            return Varlen(torch.tensor(cu, dtype=torch.int32, device=query.device),
+            return Varlen(torch.tensor(cu, dtype=torch.int32).to(query.device, non_blocking=True),   # no stream sync
                           max(s.length for s in self.segments))
         return self.memo(("varlen", query.device), build)
 
@@ -298,7 +318,19 @@ class RaggedPrefill:
         (``[1, Hq, Q, d]``, or a tuple of consecutive query rows' parts ``[1, Hq, Q_j, d]`` that the call's one
         concatenation joins; e.g. with the method's state as a by-product) or return None for
         ``causal_attention``'s; it runs before ``each(i, k, v)``. Without it, a call of fresh segments on flash runs
-        as one ``flash_varlen`` call (``varlen``)."""
+        as one ``flash_varlen`` call (``varlen``). The tail's rows (``DecodeTail``) follow the segments' in the output."""
+        if self.tail is None:
+            return self._attend_segments(layer, query, key, value, scale, each, segment_attention)
+        n = self.num_tokens
+        if query.shape[2] != n + self.tail.count:
+            raise ValueError(f"a packed call with a decode tail has {n} + {self.tail.count} tokens, got query "
+                             f"{tuple(query.shape)}")
+        out = self._attend_segments(layer, query[:, :, :n], key[:, :, :n], value[:, :, :n], scale, each,
+                                    segment_attention)
+        rows = self.tail.attend(layer, query[0, :, n:].transpose(0, 1))
+        return torch.cat([out, rows.to(out.dtype).unsqueeze(0)], dim=1)
+
+    def _attend_segments(self, layer, query, key, value, scale, each, segment_attention) -> torch.Tensor:
         packed = None if segment_attention is not None else self.varlen(query)
         if packed is not None:
             q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))         # token-major [N, H, d]

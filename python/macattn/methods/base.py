@@ -330,6 +330,14 @@ class AttentionMethod:
         handed to ``record_decode_step``. Default: None (one variant)."""
         return None
 
+    def decode_in_full(self, positions: Sequence[int]) -> bool:
+        """Whether this instance's decode of rows at ``positions`` (host ints) is plain causal attention over
+        each row's ``[0, m]`` in the paged pool that reads and writes none of its per-request state (the K/V
+        aside): such rows may ride a packed prefill call (``core.ragged.DecodeTail``, the runtime's one-forward
+        mixed step) instead of a decode step of their own; the runtime then calls ``decoded`` and
+        ``decode_step_done`` for them as after that step. Default: False."""
+        return False
+
     def decode_graph_keys(self) -> tuple[Hashable, ...]:
         """Every value ``decode_graph_key`` takes under the current settings (the runtime captures each at
         start-up). Default: the key of an empty step."""

@@ -30,10 +30,11 @@ of the step's outputs). This module names no method: it calls these hooks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 
+from macattn.core.ragged import DecodeTail
 from macattn.methods.base import DecodeGeometry, DecodePlans, DecodeRows
 from macattn.runtime.in_flight import TokenFeed
 from macattn.runtime.kv_cache import PagedWriteView
@@ -56,7 +57,8 @@ class DecodeBucket:
     ``[nb, 1, 1, 1]`` bool (paged pool only; all true: the op masks by position). plans: the bound
     method's ``DecodePlans`` for this bucket (paged pool only; ``StepContext.paged`` of its steps).
     graphs / outputs: per variant (``step_key``), the captured step and its
-    ``(tokens [nb], logits [nb, V])``.
+    ``(tokens [nb], logits [nb, V])``. tail_q: the query rows ``[nb, Hq, d]`` of a packed call's decode tail
+    (``CudaDecoder.tail``; made on first use).
     """
 
     nb: int
@@ -67,6 +69,7 @@ class DecodeBucket:
     plans: DecodePlans | None = None
     graphs: dict = field(default_factory=dict)
     outputs: dict = field(default_factory=dict)
+    tail_q: torch.Tensor | None = None
 
     @property
     def ids(self) -> torch.Tensor:
@@ -215,16 +218,57 @@ class CudaDecoder:
         for method_key in self.ex.method.decode_graph_keys():
             for nb in self.sizes:
                 self._bucket(nb, (variant, method_key))
+        if self.paged_kv and self.ex.method.decode_in_full([]):     # a decode tail's kernels, compiled now
+            for nb in self.sizes:
+                self.tail([], nb=nb)
         return list(self.sizes)
 
-    def _bucket(self, nb: int, key: tuple[SamplerVariant, Hashable]) -> DecodeBucket:
-        """Bucket ``nb`` (made on first use), with variant ``key`` captured when graphs are on."""
+    def _bucket(self, nb: int, key: tuple[SamplerVariant, Hashable] | None) -> DecodeBucket:
+        """Bucket ``nb`` (made on first use), with variant ``key`` captured when graphs are on (None: none)."""
         b = self.buckets.get(nb)
         if b is None:
             b = self.buckets[nb] = self._new_bucket(nb)
-        if self.use_cuda_graphs and key not in b.graphs:
+        if self.use_cuda_graphs and key is not None and key not in b.graphs:
             self._capture(b, key)
         return b
+
+    # --- a packed call's decode tail -------------------------------------------------------
+    @torch.inference_mode()
+    def tail(self, seqs, feed: TokenFeed | None = None, *, nb: int | None = None
+             ) -> tuple[torch.Tensor, DecodeTail, Callable[[], None]]:
+        """``seqs``' decode rows as the tail of a packed call (``core.ragged.DecodeTail``; the method's decode of
+        their positions is full attention, ``AttentionMethod.decode_in_full``): their bucket's inputs are written
+        (the pending tokens from ``feed``) and ``(ids [B] int64 on the device, the tail, done)`` returned. The tail's
+        attention is the bucket's plans' ``attend_full`` over the pages, eager (what those rows' decode step runs).
+        ``done()``: the method's host hooks after the call, as after a decode step.
+        ``nb``: the bucket (default: ``len(seqs)``'s); an empty ``seqs`` runs the tail's attention once on the
+        scratch rows (``prewarm``)."""
+        ex, B = self.ex, len(seqs)
+        key = self.step_key(seqs)
+        b = self._bucket(self.bucket_size(B) if nb is None else nb, None)
+        self._write_inputs(b, seqs)
+        if feed is not None:
+            feed.write(b.ids, seqs)
+        if b.tail_q is None:
+            g = b.plans.geometry
+            b.tail_q = torch.zeros(b.nb, g.num_q_heads, g.head_dim, dtype=g.dtype, device=g.device)
+        q_buf = b.tail_q
+
+        def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
+            q_buf[:B].copy_(q)
+            return b.plans.attend_full(q_buf, *ex.kv.pages(layer), b.positions)[:B]
+
+        if not seqs:
+            attend(0, q_buf[:0])
+        slots, m = [s.slot for s in seqs], [s.num_tokens - 1 for s in seqs]
+
+        def done() -> None:
+            if b.plans is not None:
+                b.plans.variant = key[1]
+            ex.method.decoded(slots, m)
+            ex.method.decode_step_done(b.plans, B)
+
+        return b.ids[:B, 0], DecodeTail(B, attend), done
 
     # --- one step --------------------------------------------------------------------------
     def step_key(self, seqs) -> tuple[SamplerVariant, Hashable]:

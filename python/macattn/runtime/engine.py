@@ -335,9 +335,9 @@ class LLMEngine:
     def step(self, *, sync: bool = False) -> list[StepOutput]:
         """One step: schedule (``Scheduler.schedule``: decodes, then prompt chunks up to
         ``RuntimeConfig.max_num_batched_tokens``), launch (the decode batch, then the prompt chunks packed
-        into one model call, sampled on the device), read the tokens and update (append or finish). A request's
-        first token comes with its prompt's last chunk. Returns one ``StepOutput`` per request that produced a
-        token or finished.
+        into one model call — or the decode rows inside that call, ``_launch`` — sampled on the device), read
+        the tokens and update (append or finish). A request's first token comes with its prompt's last chunk.
+        Returns one ``StepOutput`` per request that produced a token or finished.
 
         With async scheduling (``runtime/in_flight.py``) the step is launched before the previous step's tokens
         are read, and the outputs returned are the previous step's (the last step's come with the next call,
@@ -362,29 +362,33 @@ class LLMEngine:
 
     def _launch(self, scheduled: ScheduledStep) -> InFlightStep:
         """Run ``scheduled``'s model calls and sampling without reading the tokens back; every sampled request
-        gets a pending token. A failed call ends its requests at once (``InFlightStep.early``)."""
+        gets a pending token. Decode rows that attend in full beside prompt chunks ride the chunks' packed call
+        (``ModelExecutor.fuses`` / ``mixed_step``) and are sampled with the prompts' first tokens; otherwise the
+        decode batch is its own call. A failed call ends its requests at once (``InFlightStep.early``); a failed
+        fused call is run again as its two calls."""
         early: list[StepOutput] = []
         sampled: list[tuple[Sequence, torch.Tensor]] = []
         tokens: list[torch.Tensor] = []
         feed = None if self._in_flight is None else self._in_flight.feed()
-        if scheduled.decodes:
-            batch = list(scheduled.decodes)
+        decodes, chunks = list(scheduled.decodes), list(scheduled.prefills)
+        fused = self.executor.fuses(decodes, chunks)
+        if decodes and not fused:
+            self._decode(decodes, feed, early, sampled, tokens)
+        if chunks:
+            done: list[tuple[Sequence, torch.Tensor]] = []
             try:
-                got, logits = self.executor.decode_tokens(batch, feed)
-            except Exception as exc:   # noqa: BLE001 - the batch's call failed: its requests end, the prefills go on
-                early += [self.fail(seq, exc) for seq in batch]
-            else:
-                sampled += zip(batch, logits)
-                tokens.append(got)
-        if scheduled.prefills:
-            try:
-                rows = self.executor.prefill_chunks(list(scheduled.prefills))
+                if fused:
+                    logits, rows = self.executor.mixed_step(decodes, chunks, feed)
+                    done += zip(decodes, logits)
+                else:
+                    rows = self.executor.prefill_chunks(chunks)
             except Exception as exc:   # noqa: BLE001 - the running requests go on; the prefills: _prefill_alone
-                rows = self._prefill_alone(list(scheduled.prefills), exc, early)
-            for c in scheduled.prefills:
+                if fused:
+                    self._decode(decodes, feed, early, sampled, tokens)
+                rows = self._prefill_alone(chunks, exc, early)
+            for c in chunks:
                 self.scheduler.commit(c)
-            done = []
-            for c, row in zip(scheduled.prefills, rows):
+            for c, row in zip(chunks, rows):
                 if row is not None:     # the prompt is prefilled: its forks start from it, sampled from its logits
                     try:
                         done += [(c.seq, row)] + [(f, row) for f in self.scheduler.fork(c.seq, self.executor.fork_kv)]
@@ -403,6 +407,16 @@ class LLMEngine:
         device = tokens[0].device if tokens else torch.device("cpu")
         return InFlightStep(sampled, torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.int64, device=device),
                             early)
+
+    def _decode(self, batch: list[Sequence], feed, early: list[StepOutput], sampled: list, tokens: list) -> None:
+        """The decode batch as its own call (sampled inside it); a failure ends its requests."""
+        try:
+            got, logits = self.executor.decode_tokens(batch, feed)
+        except Exception as exc:   # noqa: BLE001 - the batch's call failed: its requests end, the prefills go on
+            early += [self.fail(seq, exc) for seq in batch]
+        else:
+            sampled += zip(batch, logits)
+            tokens.append(got)
 
     def _read(self, step: InFlightStep | None) -> list[StepOutput]:
         """Read ``step``'s tokens (waits for its GPU work) and update its requests: append or finish. A request

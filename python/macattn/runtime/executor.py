@@ -12,6 +12,12 @@ On CUDA, decode goes through ``CudaDecoder`` (the whole step per batch bucket, t
 the paged pool, CUDA graphs), which pads batches with a scratch state row and, over the paged pool, a
 scratch KV block reserved here.
 
+A step whose decode rows attend in full (``AttentionMethod.decode_in_full``: MAC below ``min_context`` or off, the
+full method) beside prompt chunks runs as one model call (``fuses`` / ``mixed_step``): the rows go after the chunks'
+tokens as the packed call's decode tail (``core.ragged.DecodeTail``), attending over the paged pool through the
+decode bucket's attend-only plans on CUDA (``CudaDecoder.tail``), the plain-torch reference elsewhere; so the
+streams decoding beside a prompt pay no decode forward of their own (``benchmarks/notes/serving.md``, eighth pass).
+
 Sampling (``sample``, and inside the GPU decode step) reads and updates the penalties' per-slot token
 counts (``TokenCounts``, a per-slot state registered with the slots). A request with
 ``prompt_logprobs`` gets the logits of every position of its packed chunks (``logits_at``), reduced
@@ -22,9 +28,13 @@ request: write its prompt K/V rows and run a continued prefill — nothing else 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from macattn.core.ragged import PrefillSegment, RaggedPrefill, continued_cudnn_shapes, prewarm_cudnn_plans
+from macattn.core.attention import full_attention_reference
+from macattn.core.ragged import (DecodeTail, PrefillSegment, RaggedPrefill, continued_cudnn_shapes,
+                                 prewarm_cudnn_plans)
 from macattn.methods.base import AttentionMethod, StepContext
 from macattn.methods.registry import build_method
 from macattn.models.attention import bind, unbind
@@ -35,7 +45,7 @@ from macattn.runtime.block_manager import BlockManager
 from macattn.runtime.config import CUDA_CHUNK_QUANTUM, RuntimeConfig, quantized_chunk
 from macattn.runtime.in_flight import TokenFeed
 from macattn.runtime.kv_cache import DecodeView, PagedKVCache, PrefillView
-from macattn.runtime.prefill_graphs import PrefillGraphs
+from macattn.runtime.prefill_graphs import PrefillGraphs, graph_buckets
 from macattn.runtime.prefix_cache import cache_salt
 from macattn.runtime.sampling import SamplerVariant, SamplingBatch, SamplingRow, TokenCounts, sample_tokens
 from macattn.runtime.sequence import PrefillChunk, Sequence
@@ -113,7 +123,8 @@ class ModelExecutor:
         if (gpu and config.use_cuda_graphs and self.fused is not None and self.paged_kv and not self.fused.sharded
                 and self.kv.k[0].dtype == self.dtype):     # the fused RoPE + append writes the model's dtype
             self.prefill_graphs = PrefillGraphs(self.fused, self.kv, pad_row=self.scratch_block * config.block_size,
-                                                needs_q_pre=self.method.capabilities.needs_pre_rope_query)
+                                                needs_q_pre=self.method.capabilities.needs_pre_rope_query,
+                                                buckets=graph_buckets(config.max_batch_size))
 
     def _prefix_caching(self, asked: bool | None) -> bool:
         """Whether prefix caching runs (``RuntimeConfig.enable_prefix_caching``: None = where supported);
@@ -231,10 +242,28 @@ class ModelExecutor:
             out[i] = self.prefill(c.seq)
             c.seq.num_prefilled = c.end
         for group in ([packed] if self.mka_ctx is None else [[i] for i in packed]) if packed else []:
-            logits = self._prefill_packed([chunks[i] for i in group])
+            logits, _ = self._prefill_packed([chunks[i] for i in group])
             for i, row in zip(group, logits):
                 out[i] = row if chunks[i].completes_prompt else None
         return out
+
+    def fuses(self, decodes: list[Sequence], chunks: list[PrefillChunk]) -> bool:
+        """Whether a step of ``decodes`` beside prompt ``chunks`` runs as one model call (``mixed_step``): both
+        present, over the paged pool, not FastMKA-patched (its summary runs along one request), every chunk packs,
+        and the method's decode of the rows' positions is full attention (``AttentionMethod.decode_in_full``)."""
+        return (bool(decodes) and bool(chunks) and self.paged_kv and self.mka_ctx is None
+                and all(self.packs(c.seq) for c in chunks)
+                and self.method.decode_in_full([s.num_tokens - 1 for s in decodes]))
+
+    def mixed_step(self, decodes: list[Sequence], chunks: list[PrefillChunk], feed: TokenFeed | None = None
+                   ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """One model call for a step that ``fuses``: ``chunks`` packed as ``prefill_chunks`` packs them, each of
+        ``decodes`` feeding its last generated token (from ``feed`` where pending) at ``m = num_tokens - 1`` after
+        them. Returns ``(logits [B, V] of the decode rows (not sampled), per chunk what prefill_chunks returns)``."""
+        if not self.fuses(decodes, chunks):
+            raise ValueError("mixed_step runs a step that fuses (ModelExecutor.fuses)")
+        logits, tail = self._prefill_packed(list(chunks), list(decodes), feed)
+        return tail, [row if c.completes_prompt else None for c, row in zip(chunks, logits)]
 
     def prefill(self, seq: Sequence) -> torch.Tensor:
         """Prefill ``seq``'s whole prompt: A3's ``prefill_request`` when it carries a chunked prompt
@@ -264,15 +293,17 @@ class ModelExecutor:
                 logits = self.run_model(ids, pos.unsqueeze(0), logits_at=pos)
             self._prompt_logprobs(PrefillChunk(seq, 0, L), logits)
             return logits[-1]
-        return self._prefill_packed([PrefillChunk(seq, 0, L)])[0]
+        return self._prefill_packed([PrefillChunk(seq, 0, L)])[0][0]
 
     @torch.inference_mode()
-    def _prefill_packed(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+    def _prefill_packed(self, chunks: list[PrefillChunk], decodes: list[Sequence] = (),
+                        feed: TokenFeed | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One packed model call over ``chunks`` (``macattn.core.ragged``: their tokens back to back, K/V
         written to their pool rows, each attending causally to its own earlier positions, each request's
-        state seeded). Returns the logits ``[n, V]`` of each chunk's last token; sets ``num_prefilled``. A
-        chunk of a request with ``prompt_logprobs`` gets the logits of all its tokens (``logits_at``), reduced
-        to its prompt log-probabilities (``_prompt_logprobs``)."""
+        state seeded) and ``decodes`` after them (a decode tail: ``mixed_step``). Returns ``(the logits [n, V] of
+        each chunk's last token, the decode rows' [B, V] or None)``; sets ``num_prefilled``. A chunk of a request
+        with ``prompt_logprobs`` gets the logits of all its tokens (``logits_at``), reduced to its prompt
+        log-probabilities (``_prompt_logprobs``)."""
         dev = self.device
         ids, pos, write, segments, offset = [], [], [], [], 0
         at, last, spans = [], [], []        # logits rows kept; each chunk's last one; (chunk, first row)
@@ -290,22 +321,60 @@ class ModelExecutor:
                 at.append(offset + c.num_tokens - 1)
             last.append(len(at) - 1)
             offset += c.num_tokens
-        plan = RaggedPrefill(segments, self.kv.k, self.kv.v)
+        tail = tail_ids = done = None
+        if decodes:
+            tail_ids, tail, done = (self.decoder.tail if self.decoder is not None else self._tail)(decodes, feed)
+            for s in decodes:
+                m = s.num_tokens - 1
+                ids.append(0)           # the token is tail_ids' (pending on the device where async)
+                pos.append(torch.tensor([m]))
+                write.append(self.blocks.rows(s, m, m + 1))
+            at.extend(range(offset, offset + len(decodes)))
+        plan = RaggedPrefill(segments, self.kv.k, self.kv.v, tail)
         ids_t, pos_t, rows_t = torch.tensor(ids, dtype=torch.int64), torch.cat(pos), torch.cat(write)
         at_t = torch.tensor(at, dtype=torch.int64).to(dev, non_blocking=True)
         graphs = self.prefill_graphs
         with self.step(slots=torch.tensor(plan.slots, dtype=torch.int64), prefill=plan):
-            if graphs is not None and offset <= graphs.max_tokens:
-                logits = graphs.run(ids_t, pos_t, rows_t, at_t)
+            if graphs is not None and ids_t.numel() <= graphs.max_tokens:
+                logits = graphs.run(ids_t, pos_t, rows_t, at_t, tail_ids)
             else:
                 view = PrefillView(self.kv, rows_t, cached=chunks[0].start if len(chunks) == 1 else 0)
-                logits = self.run_model(ids_t.view(1, -1).to(dev, non_blocking=True),
-                                        pos_t.view(1, -1).to(dev, non_blocking=True), None, view, logits_at=at_t)
+                ids_d = ids_t.view(1, -1).to(dev, non_blocking=True)
+                if tail_ids is not None:
+                    ids_d[0, offset:].copy_(tail_ids)
+                logits = self.run_model(ids_d, pos_t.view(1, -1).to(dev, non_blocking=True), None, view,
+                                        logits_at=at_t)
         for c in chunks:
             c.seq.num_prefilled = c.end
+        if done is not None:
+            done()
         for c, row in spans:
             self._prompt_logprobs(c, logits[row:row + c.num_tokens])
-        return logits if not spans else logits[torch.tensor(last, dtype=torch.int64, device=logits.device)]
+        decoded = logits[len(at) - len(decodes):] if decodes else None
+        if spans:
+            return logits[torch.tensor(last, dtype=torch.int64, device=logits.device)], decoded
+        return (logits[:len(chunks)] if decodes else logits), decoded
+
+    def _tail(self, seqs: list[Sequence], feed: TokenFeed | None) -> tuple[torch.Tensor, DecodeTail, Callable[[], None]]:
+        """``CudaDecoder.tail`` off CUDA: each row's history gathered from the pool, the plain-torch attention
+        (``full_attention_reference``, the full method's decode there)."""
+        dev, B = self.device, len(seqs)
+        ids = torch.tensor([s.last_token_on_host for s in seqs], dtype=torch.int64, device=dev)
+        if feed is not None:
+            feed.write(ids, seqs)
+        m = [s.num_tokens - 1 for s in seqs]
+        positions = torch.tensor(m, dtype=torch.int64, device=dev)
+        gather = self.blocks.gather_rows(seqs, [x + 1 for x in m]).to(dev)          # [B, T]
+
+        def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
+            k, v = (pool[gather].transpose(1, 2) for pool in (self.kv.k[layer], self.kv.v[layer]))   # [B, Hkv, T, d]
+            return full_attention_reference(q, k, v, positions)
+
+        def done() -> None:
+            self.method.decoded([s.slot for s in seqs], m)
+            self.method.decode_step_done(None, B)
+
+        return ids, DecodeTail(B, attend), done
 
     @staticmethod
     def _prompt_logprobs(c: PrefillChunk, rows: torch.Tensor) -> None:
@@ -419,7 +488,9 @@ class ModelExecutor:
         T = gather.shape[1]
         mask = (torch.arange(T, device=self.device).view(1, T) <= positions.view(B, 1)).view(B, 1, 1, T)
         with self.step(slots=slots, positions=positions):
-            return self.run_model(ids, positions.view(B, 1), mask, DecodeView(self.kv, write, gather))
+            logits = self.run_model(ids, positions.view(B, 1), mask, DecodeView(self.kv, write, gather))
+        self.method.decoded(slots.tolist(), m)
+        return logits
 
 
 class PrefillIO:
@@ -483,4 +554,4 @@ class PrefillIO:
         seq = self._seq
         if seq.prompt[start:start + ids.numel()] != ids.tolist():
             raise ValueError("continue_prefill runs the request's own prompt tokens")
-        return self._ex._prefill_packed([PrefillChunk(seq, start, start + ids.numel())])[0]
+        return self._ex._prefill_packed([PrefillChunk(seq, start, start + ids.numel())])[0][0]

@@ -42,7 +42,7 @@ class PrefillView:
     before this call when it is one request's (0: a fresh prompt; FastMKA resets its summary then)."""
 
     def __init__(self, cache: PagedKVCache, rows: torch.Tensor, cached: int = 0) -> None:
-        self.cache, self.rows, self.cached = cache, rows.to(cache.k[0].device), cached
+        self.cache, self.rows, self.cached = cache, rows.to(cache.k[0].device, non_blocking=True), cached
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.cached

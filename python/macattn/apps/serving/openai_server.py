@@ -581,7 +581,7 @@ class _Server:
             jobs.append(_Job(i, first, handle, text, ids, emits_eos=sp.ignore_eos and not req.sampling.get("ignore_eos")))
         if p:
             for job in jobs:
-                job.handle.abort()
+                job.handle.abort(wait=False)
             return [], p
         self.metrics.submitted(req.n, plan[0][4].max_tokens if plan else 0)
         return jobs, p
@@ -628,7 +628,7 @@ class _Server:
         gone.cancel()
         if not gathered.done():
             for j in jobs:
-                j.handle.abort()
+                j.handle.abort(wait=False)
             await gathered
             self.metrics.ended(endpoint, "499", "abort", _choices(req, jobs))
             return None
@@ -741,7 +741,7 @@ class _Server:
             yield "data: [DONE]\n\n"
         finally:                     # a client gone mid-stream: its requests stop, their slots are freed
             for j in jobs:
-                j.handle.abort()
+                j.handle.abort(wait=False)
             if finished_ok and len(last) == len(jobs) and all(o.finished for o in last.values()):
                 self.done(endpoint, list(last.values()))
             else:      # the server failed the stream (500) or the client left it (499)
@@ -824,7 +824,7 @@ async def _result(handle) -> RequestOutput | BaseException:
     except Exception as exc:   # noqa: BLE001 - reported by the caller
         return exc
     finally:
-        handle.abort()
+        handle.abort(wait=False)
     return last
 
 
@@ -932,7 +932,7 @@ def build_app(llm: LLM, model_name: str, *, default_max_tokens: int | None = Non
                           code="shutting_down")
         finally:
             for j in jobs:
-                j.handle.abort()
+                j.handle.abort(wait=False)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -21,6 +21,9 @@ class FullAttention(AttentionMethod):
     capabilities: ClassVar[Capabilities] = Capabilities(paged_kv=True, cuda_graphs=True, head_sharded=True,
                                                         prefix_caching=True)
 
+    def decode_in_full(self, positions) -> bool:
+        return True
+
     def decode(self, module, layer, query, key, value, q_pre, attention_mask, scale, step, fallback, **kwargs):
         B = query.shape[0]
         if step.positions is None:

@@ -63,6 +63,7 @@ class MacAttention(AttentionMethod):
         self.layer_errors: dict[int, list[float]] = {}
         self.last_match_pos: Mapping[int, torch.Tensor] = {}
         self.slots: torch.Tensor | None = None      # plain-transformers rows (no runtime)
+        self._any_enabled = any(config.for_layer(layer).enabled for layer in range(dims.num_layers))
         # 1 / s_h per calibrated layer ([Hq] fp64 on the model's device, made here: never inside a captured step)
         self.inv_match_scale: dict[int, torch.Tensor] = {}
         for layer in range(dims.num_layers):
@@ -112,7 +113,16 @@ class MacAttention(AttentionMethod):
         return max((p.window for p in params if p.enabled), default=0)
 
     def request_metrics(self, slot: int) -> dict[str, float]:
-        return self.state.diagnostics.request(slot) if self.collect_diagnostics else {}
+        """The request's hit rate and skipped prefix; ``{}`` without reading the device where none of its decode
+        steps engaged (``MacDiagnostics.counted``: a request below ``min_context``, MAC off), so a finishing
+        request does not wait for the step in flight (async scheduling)."""
+        diagnostics = self.state.diagnostics
+        return diagnostics.request(slot) if self.collect_diagnostics and slot in diagnostics.counted else {}
+
+    def decoded(self, slots: list[int], positions: list[int]) -> None:
+        """Mark the slots whose step engaged (a MAC layer, ``m >= min_context``) as counted by the diagnostics."""
+        if self.collect_diagnostics and self._any_enabled:
+            self.state.diagnostics.counted.update(s for s, m in zip(slots, positions) if self.config.engages(m))
 
     def request_metrics_part(self, slot: int) -> list[float] | None:
         """The slot's ``(head-steps, hits, skipped)`` over this rank's heads (None: no diagnostics)."""
@@ -132,8 +142,16 @@ class MacAttention(AttentionMethod):
         """``(collect_diagnostics, engaged)``: the step with the diagnostics' accumulation is its own captured
         variant, and so is the step where no row has reached ``min_context`` (engaged False: the MAC layers
         attend in full, ``MacDecodePlans``)."""
-        engaged = self.config.min_context == 0 or any(self.config.engages(m) for m in positions)
-        return self.collect_diagnostics, engaged
+        return self.collect_diagnostics, self._engaged(positions)
+
+    def _engaged(self, positions) -> bool:
+        """Whether a decode step of rows at ``positions`` runs MAC's match: ``min_context`` 0, or a row at it."""
+        return self.config.min_context == 0 or any(self.config.engages(m) for m in positions)
+
+    def decode_in_full(self, positions) -> bool:
+        """True where no layer has MAC on, or no row has reached ``min_context``: every layer then attends in full
+        and no ring is read or written (the step of MAC off)."""
+        return not self._any_enabled or not self._engaged(positions)
 
     def decode_graph_keys(self) -> tuple[tuple[bool, bool], ...]:
         """The variants a step of the current settings can take: engaged only, or both with ``min_context``."""

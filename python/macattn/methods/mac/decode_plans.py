@@ -107,6 +107,12 @@ class MacDecodePlans(DecodePlans):
             self.match_pos.pop(layer, None)
         return plan.run_full(q, k_pages, v_pages, positions, page_table=self.page_table, check=False)
 
+    def attend_full(self, q, k_pages, v_pages, positions):
+        """Full attention of every row over ``[0, m]`` (``DecodePlans.attend_full``; a packed call's decode tail):
+        the first plan's ``run_full`` (its kernels take no MAC parameter)."""
+        return next(iter(self.plans.values())).run_full(q, k_pages, v_pages, positions, page_table=self.page_table,
+                                                        check=False)
+
     @property
     def engaged(self) -> bool:
         """Whether this step runs MAC's match (the variant ``MacAttention.decode_graph_key`` chose: its last

@@ -264,7 +264,7 @@ class PackedSeeds:
     min(window, L)`` — its row reset and seeded at once, as ``seed_rings_`` does — and one keeping none writes
     nothing. ``M`` entries in token order.
 
-    rows: ``[M]`` int64, the entries' tokens in the call (None: every token of the call, in order);
+    rows: ``[M]`` int64, the entries' tokens in the call (None: every token of the call's segments, in order);
     slots / cols / positions: ``[M]`` int64 ring row, column (``position mod window``) and prompt position;
     cleared: ``[P]`` int64 rows with fewer than ``window`` entries, emptied first (None if none);
     cu_q / cu_k: ``[B' + 1]`` int32 and used_k ``[B']`` int32, the far part's ``flash_varlen`` layout over the
@@ -314,6 +314,8 @@ def seed_packed_(state, layer: int, seeds: PackedSeeds, query: torch.Tensor, q_p
     q, k, v, qp = (x[0].transpose(0, 1) for x in (query, key, value, q_pre))    # token-major [N, H, d]
     if seeds.rows is not None:
         q, qp = q.index_select(0, seeds.rows), qp.index_select(0, seeds.rows)
+    else:                   # the segments' tokens, not a decode tail after them (``core.ragged.DecodeTail``)
+        q, qp = q[: seeds.slots.numel()], qp[: seeds.slots.numel()]
     o, lse = varlen_attention(q, k, v, seeds.cu_q, seeds.cu_k, seeds.max_q, seeds.max_k, scale=scale,
                               seqused_k=seeds.used_k)
     if seeds.cleared is not None:

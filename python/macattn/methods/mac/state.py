@@ -48,7 +48,9 @@ class MacDiagnostics:
     per layer × query head ``[L, Hq]``: ``steps``, ``hits``, ``skipped`` (sum of ``(p - r)_+ / m``
     over steps; misses add 0), ``gap`` (sum of ``m - p`` over hits); per slot ``[S, 3]``:
     ``per_slot`` = (head-steps, hits, skipped) of the request in the slot, summed over layers and
-    heads (reset with the slot; ``MacAttention.request_metrics`` reads it at the request's end).
+    heads (reset with the slot; ``MacAttention.request_metrics`` reads it at the request's end). ``counted``: the
+    slots whose ``per_slot`` row a decode step may have added to (host-side, from the steps' positions:
+    ``MacAttention.decoded``), so a request that never engaged is read without waiting for the device.
     """
 
     steps: torch.Tensor
@@ -56,6 +58,7 @@ class MacDiagnostics:
     skipped: torch.Tensor
     gap: torch.Tensor
     per_slot: torch.Tensor
+    counted: set[int] = field(default_factory=set)
 
     @classmethod
     def zeros(cls, num_layers: int, num_heads: int, num_slots: int = 1,
@@ -190,6 +193,7 @@ class MacState(SlotPool):
         torch._foreach_add_(lse, float("-inf"))
         torch._foreach_add_(pos, -1)
         self.diagnostics.per_slot[slot].zero_()
+        self.diagnostics.counted.discard(slot)
 
     def copy(self, src: int, dst: int) -> None:
         """Copy every ring row (and the per-request diagnostics) of ``src`` into ``dst`` in every layer: a fork
@@ -201,6 +205,8 @@ class MacState(SlotPool):
                 if t is not None:
                     t[dst].copy_(t[src])
         self.diagnostics.per_slot[dst].copy_(self.diagnostics.per_slot[src])
+        counted = self.diagnostics.counted
+        (counted.add if src in counted else counted.discard)(dst)
 
     def sketch_rows_(self, layer: int, slots: torch.Tensor) -> None:
         """Recompute ``sring[layer]`` rows ``slots [n]`` from ``qring`` (after the traceable seeding);

@@ -154,6 +154,11 @@ class TensorParallelExecutor:
         rows = [(c.seq.request_id, c.start, c.end) for c in chunks]
         return self.group.run(self.engine_id, "prefill", (rows, wires), lambda: self.local.prefill_chunks(chunks))
 
+    def fuses(self, decodes: list[Sequence], chunks: list[PrefillChunk]) -> bool:
+        """False: a mixed step runs its decode rows and its prompt chunks as two calls on every rank (the workers'
+        protocol carries one kind of call at a time)."""
+        return False
+
     def decode_step(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor]:
         rows = [(s.request_id, len(s.output), s.output[-1]) for s in seqs]
         return self.group.run(self.engine_id, "decode", (rows, self._wires(seqs)),
