@@ -51,9 +51,11 @@ def _requests(greedy_tokens: list[list[int]] | None = None) -> list[tuple[torch.
     return list(zip(ps, kw))
 
 
-def _run(eng: LLMEngine, requests, *, abort: dict | None = None) -> dict[int, list]:
-    """Submit two requests per step; ``abort``: step -> index of a request to abort before that step. Returns
-    per request index (forks as ``(index, fork)``) its ``(token, finished, reason, logits)`` outputs."""
+def _run(eng: LLMEngine, requests, *, abort: dict | None = None, each_step=None) -> dict[int, list]:
+    """Submit two requests per step; ``abort``: step -> index of a request to abort before that step;
+    ``each_step(eng, ids)``: called after every step with the request ids submitted so far (per index, forks
+    after). Returns per request index (forks as ``(index, fork)``) its ``(token, finished, reason, logits)``
+    outputs."""
     ids: list[list[int]] = []
     out: dict[int, list] = {}
     pending = list(requests)
@@ -70,6 +72,8 @@ def _run(eng: LLMEngine, requests, *, abort: dict | None = None) -> dict[int, li
             eng.abort(ids[abort[step]][0])
         for o in eng.step():
             out.setdefault(o.request_id, []).append((o.token, o.finished, o.finish_reason, o.logits))
+        if each_step is not None:
+            each_step(eng, ids)
         step += 1
     return {(i, f): out.get(rid, []) for i, rids in enumerate(ids) for f, rid in enumerate(rids)}
 

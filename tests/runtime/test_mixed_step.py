@@ -20,10 +20,9 @@ from macattn.methods.full.config import FullConfig
 from macattn.methods.mac.config import MacConfig
 from macattn.runtime.config import RuntimeConfig
 from macattn.runtime.engine import LLMEngine
-from macattn.runtime.sampling import SamplingConfig
-
 from _paged_reference import attach_cpu_decoder
 from _tiny import MAC, prompts, tiny_model
+from test_async_scheduling import _run as run_requests
 from test_engine_sampling import _PagedFull
 
 KINDS = ("full", "bucketed", "mac_off", "mac_min_context")
@@ -54,32 +53,25 @@ def _engine(kind: str, fuse: bool, overlap: bool) -> LLMEngine:
 
 
 def _run(eng: LLMEngine) -> tuple[dict, list]:
-    """Nine requests, two arriving per step (greedy, sampled, penalised, n = 2); per request its outputs, and
-    MAC's ring positions of every running request after every step (empty for other methods)."""
+    """Nine requests, two arriving per step (greedy, sampled, penalised, n = 2; ``test_async_scheduling._run``);
+    per request its outputs, and MAC's ring positions of every running request after every step, in the layers
+    with MAC on (the CPU reference's MAC-off layers append to rings nothing reads; the GPU's do not)."""
     ps = prompts(9, seed=5, lo=10, hi=40)
     kw = [dict(max_new_tokens=8), dict(max_new_tokens=6, temperature=0.9, top_p=0.9, random_seed=7),
           dict(max_new_tokens=8, repetition_penalty=1.4), dict(max_new_tokens=1), dict(max_new_tokens=5, n=2),
           dict(max_new_tokens=8, logit_bias={3: 2.0}), dict(max_new_tokens=7), dict(max_new_tokens=8),
           dict(max_new_tokens=3)]
-    pending, ids, out, rings = list(zip(ps, kw)), [], {}, []
-    while pending or eng.has_unfinished():
-        for _ in range(2):
-            if pending:
-                p, k = pending.pop(0)
-                k = dict(k)
-                n = k.pop("n", None)
-                got = eng.add_request(p, SamplingConfig(**k), n=n)
-                ids.append(got if isinstance(got, list) else [got])
-        for o in eng.step():
-            out.setdefault(o.request_id, []).append((o.token, o.finished, o.finish_reason, o.logits))
-        if eng.mac_state is not None:       # the layers with MAC on (the CPU reference's MAC-off layers append to
-            on = [layer for layer, r in enumerate(eng.mac_state.ring_pos)    # rings nothing reads; the GPU's don't)
-                  if eng.method.config.for_layer(layer).enabled]
-            rings.append({s.request_id: torch.stack([eng.mac_state.ring_pos[layer][s.slot] for layer in on]).clone()
-                          for s in eng.requests.values() if s.slot is not None and not s.finished and on})
-    index = {rid: (i, f) for i, rids in enumerate(ids) for f, rid in enumerate(rids)}
-    return ({index[rid]: v for rid, v in out.items()},
-            [{index[rid]: r for rid, r in step.items()} for step in rings])
+    rings = []
+
+    def record(eng, ids):
+        if eng.mac_state is None:
+            return
+        index = {rid: (i, f) for i, rids in enumerate(ids) for f, rid in enumerate(rids)}
+        on = [layer for layer in range(len(eng.mac_state.ring_pos)) if eng.method.config.for_layer(layer).enabled]
+        rings.append({index[s.request_id]: torch.stack([eng.mac_state.ring_pos[layer][s.slot] for layer in on])
+                      for s in eng.requests.values() if s.slot is not None and not s.finished and on})
+
+    return run_requests(eng, list(zip(ps, kw)), each_step=record), rings
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "async"])

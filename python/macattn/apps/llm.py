@@ -37,7 +37,6 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any

@@ -6,7 +6,6 @@ prefix_store``, keyed by the model's fingerprint)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 from macattn.methods.completion.config import CompletionConfig
 from macattn.methods.completion.feature_maps import CompletionFeatureMaps, load_feature_maps, maps_for_model
