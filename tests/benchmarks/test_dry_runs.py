@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
     ("bench_selectors.py", "every kernel equals its reference"),
     ("bench_serving.py", "output tok/s"),
     ("profile_serving_steps.py", "token_gap_ms"),
+    ("find_host_syncs.py", "synchronising call sites"),
     ("bench_engine_steps.py", "budget"),
     ("bench_ttft.py", "on/off"),
     ("eval_completion_budgets.py", "completion gated exhaustive"),

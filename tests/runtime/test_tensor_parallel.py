@@ -153,6 +153,33 @@ def test_in_flight_batching_equals_solo_runs():
     assert len(metrics) == 4 and all(0.0 <= m["mac_hit_rate"] <= 1.0 for m in metrics)
 
 
+@pytest.mark.parametrize("method", ["mac_off", "full"])
+def test_fused_mixed_steps_under_tp_equal_tp1(method):
+    """TP = 2 runs the one-forward mixed step (``TensorParallelExecutor.mixed_step``: the decode rows inside the
+    chunks' packed call on every rank) where TP = 1 does: requests join mid-flight beside running decodes, chunked;
+    tokens equal and logits within fp64 rounding of TP = 1's (fp64), and both ran the same fused steps."""
+    ps = [p % 250 for p in prompts(4, seed=23, lo=18, hi=44)]
+    kw = {"method": "full"} if method == "full" else {}
+    mac = None if method == "full" else MacConfig(enabled=False)
+    runs = []
+    for tp in (1, 2):
+        eng = LLMEngine(tp_model("llama").double(), mac, RuntimeConfig(max_batch_size=3, block_size=8,
+                                                                      max_num_batched_tokens=12,
+                                                                      tensor_parallel_size=tp), **kw)
+        fused, mixed = [], eng.executor.mixed_step
+        eng.executor.mixed_step = lambda d, c, feed=None: (fused.append((len(d), len(c))), mixed(d, c, feed))[1]
+        try:
+            got = _drive(eng, [(ps[0], 14), (ps[1], 9)], joins={3: [(ps[2], 11)], 6: [(ps[3], 8)]})
+        finally:
+            eng.close()
+        runs.append((got, fused))
+    (one, fused1), (two, fused2) = runs
+    assert fused2 == fused1 and len(fused2) >= 3
+    for i in range(4):
+        assert two["tokens"][i] == one["tokens"][i]
+        assert (two["logits"][i] - one["logits"][i]).abs().max() <= 1e-9
+
+
 def test_engine_start_up_captures_on_every_rank():
     """``EngineArgs.build_engine`` captures the CUDA graphs at start-up; under TP every rank captures together (a
     decode bucket's capture runs the step's all-reduces: rank 0 alone hung on two GPUs). On the CPU nothing is

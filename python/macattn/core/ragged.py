@@ -318,7 +318,8 @@ class RaggedPrefill:
         (``[1, Hq, Q, d]``, or a tuple of consecutive query rows' parts ``[1, Hq, Q_j, d]`` that the call's one
         concatenation joins; e.g. with the method's state as a by-product) or return None for
         ``causal_attention``'s; it runs before ``each(i, k, v)``. Without it, a call of fresh segments on flash runs
-        as one ``flash_varlen`` call (``varlen``). The tail's rows (``DecodeTail``) follow the segments' in the output."""
+        as one ``flash_varlen`` call (``varlen``). The tail's rows (``DecodeTail``) follow the segments' in the
+        output."""
         if self.tail is None:
             return self._attend_segments(layer, query, key, value, scale, each, segment_attention)
         n = self.num_tokens

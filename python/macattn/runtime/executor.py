@@ -15,8 +15,9 @@ scratch KV block reserved here.
 A step whose decode rows attend in full (``AttentionMethod.decode_in_full``: MAC below ``min_context`` or off, the
 full method) beside prompt chunks runs as one model call (``fuses`` / ``mixed_step``): the rows go after the chunks'
 tokens as the packed call's decode tail (``core.ragged.DecodeTail``), attending over the paged pool through the
-decode bucket's attend-only plans on CUDA (``CudaDecoder.tail``), the plain-torch reference elsewhere; so the
-streams decoding beside a prompt pay no decode forward of their own (``benchmarks/notes/serving.md``, eighth pass).
+decode bucket's plans (``DecodePlans.attend_full``) on CUDA (``CudaDecoder.tail``), the plain-torch reference
+elsewhere; so the streams decoding beside a prompt pay no decode forward of their own (``benchmarks/notes/serving.md``,
+eighth pass).
 
 Sampling (``sample``, and inside the GPU decode step) reads and updates the penalties' per-slot token
 counts (``TokenCounts``, a per-slot state registered with the slots). A request with
@@ -355,7 +356,8 @@ class ModelExecutor:
             return logits[torch.tensor(last, dtype=torch.int64, device=logits.device)], decoded
         return (logits[:len(chunks)] if decodes else logits), decoded
 
-    def _tail(self, seqs: list[Sequence], feed: TokenFeed | None) -> tuple[torch.Tensor, DecodeTail, Callable[[], None]]:
+    def _tail(self, seqs: list[Sequence], feed: TokenFeed | None
+              ) -> tuple[torch.Tensor, DecodeTail, Callable[[], None]]:
         """``CudaDecoder.tail`` off CUDA: each row's history gathered from the pool, the plain-torch attention
         (``full_attention_reference``, the full method's decode there)."""
         dev, B = self.device, len(seqs)

@@ -155,9 +155,19 @@ class TensorParallelExecutor:
         return self.group.run(self.engine_id, "prefill", (rows, wires), lambda: self.local.prefill_chunks(chunks))
 
     def fuses(self, decodes: list[Sequence], chunks: list[PrefillChunk]) -> bool:
-        """False: a mixed step runs its decode rows and its prompt chunks as two calls on every rank (the workers'
-        protocol carries one kind of call at a time)."""
-        return False
+        """Rank 0's ``ModelExecutor.fuses`` (every rank runs the same method and settings)."""
+        return self.local.fuses(decodes, chunks)
+
+    def mixed_step(self, decodes: list[Sequence], chunks: list[PrefillChunk], feed=None
+                   ) -> tuple[torch.Tensor, list]:
+        """``ModelExecutor.mixed_step`` on every rank: the workers get the decode rows' last tokens from the host,
+        as for ``decode_step``, and the chunks as for ``prefill_chunks``."""
+        if feed is not None or any(s.num_pending for s in decodes):
+            raise RuntimeError("a tensor-parallel mixed step needs every request's last token on the host")
+        wires = self._wires(list(decodes) + [c.seq for c in chunks])
+        rows = ([(s.request_id, len(s.output), s.output[-1]) for s in decodes],
+                [(c.seq.request_id, c.start, c.end) for c in chunks])
+        return self.group.run(self.engine_id, "mixed", (*rows, wires), lambda: self.local.mixed_step(decodes, chunks))
 
     def decode_step(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor]:
         rows = [(s.request_id, len(s.output), s.output[-1]) for s in seqs]

@@ -76,6 +76,16 @@ class _WorkerEngine:
 
     def decode(self, rows, wires) -> None:
         self.keep(wires)
+        self.ex.decode_step(self._decoding(rows))
+
+    def mixed(self, rows, chunks, wires) -> None:
+        self.keep(wires)
+        self.ex.mixed_step(self._decoding(rows),
+                           [PrefillChunk(self.seqs[rid], start, end) for rid, start, end in chunks])
+
+    def _decoding(self, rows) -> list[Sequence]:
+        """The copies of the requests of a decode batch ``rows`` (``(request id, tokens generated, the last)``), their
+        last token appended (rank 0 sampled it)."""
         seqs = []
         for rid, n_out, token in rows:
             s = self.seqs[rid]
@@ -85,7 +95,7 @@ class _WorkerEngine:
                 raise RuntimeError(f"request {rid}: worker copy out of step with rank 0 ({len(s.output)} vs {n_out} "
                                    "tokens)")
             seqs.append(s)
-        self.ex.decode_step(seqs)
+        return seqs
 
 
 def worker_main(rank: int, size: int, store_path: str, device: str, backend: str, timeout_s: float, parent_pid: int,
@@ -130,6 +140,8 @@ def worker_main(rank: int, size: int, store_path: str, device: str, backend: str
                 eng.ex.prefill_chunks([PrefillChunk(eng.seqs[rid], start, end) for rid, start, end in rows])
             elif op == "decode":
                 engines[eid].decode(*args)
+            elif op == "mixed":
+                engines[eid].mixed(*args)
             elif op == "run":
                 fn, fargs = args
                 control.gather(fn(engines[eid].ex, *fargs))
