@@ -166,6 +166,44 @@ def test_abort_mid_stream_frees_the_slot(llm):
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=5))] == solo
 
 
+def test_no_caller_waits_for_an_engine_step():
+    """The engine thread alone touches the engine: while a step is in progress (held here), a submission and a
+    server's abort (``wait=False``) from other threads return at once; both take effect before the next step, and
+    the outputs are the ones the requests get alone."""
+    import threading
+
+    with LLM("builtin", max_batch_size=2, mac="off") as llm:
+        solo = [llm.generate(p, SamplingParams(max_tokens=4))[0].outputs[0].token_ids for p in PROMPTS[:2]]
+        engine, step = llm.engine, llm.engine.step
+        in_step, release = threading.Event(), threading.Event()
+
+        def held(*args, **kwargs):
+            in_step.set()
+            release.wait(60)
+            return step(*args, **kwargs)
+
+        engine.step = held
+        try:
+            first = llm.generate_async(PROMPTS[0], SamplingParams(max_tokens=4))
+            assert in_step.wait(60)
+            handles = []
+            for call in (lambda: handles.append(llm.generate_async(PROMPTS[1], SamplingParams(max_tokens=4))),
+                         lambda: handles.append(llm.generate_async(PROMPTS[2], SamplingParams(max_tokens=50))),
+                         lambda: handles[-1].abort(wait=False)):
+                caller = threading.Thread(target=call)
+                caller.start()
+                caller.join(10)
+                assert not caller.is_alive() and not release.is_set()      # returned while the step was held
+        finally:
+            engine.step = step
+            release.set()
+        second, aborted = handles
+        assert [first.result(60).outputs[0].token_ids, second.result(60).outputs[0].token_ids] == solo
+        assert aborted.result(60).outputs[0].finish_reason == "abort"
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=1))     # the loop applies the inbox before this call
+        assert not engine.has_unfinished() and not engine.requests
+
+
 def test_shutdown_stops_the_loop_and_a_new_call_restarts_it():
     with LLM("builtin", max_batch_size=2, mac="off") as llm:
         [a] = llm.generate(PROMPTS[0], SamplingParams(max_tokens=3))
