@@ -244,7 +244,6 @@ class CudaDecoder:
         ``nb``: the bucket (default: ``len(seqs)``'s); an empty ``seqs`` runs the tail's attention once on the
         scratch rows (``prewarm``)."""
         ex, B = self.ex, len(seqs)
-        key = self.step_key(seqs)
         b = self._bucket(self.bucket_size(B) if nb is None else nb, None)
         self._write_inputs(b, seqs)
         if feed is not None:
@@ -260,15 +259,8 @@ class CudaDecoder:
 
         if not seqs:
             attend(0, q_buf[:0])
-        slots, m = [s.slot for s in seqs], [s.num_tokens - 1 for s in seqs]
-
-        def done() -> None:
-            if b.plans is not None:
-                b.plans.variant = key[1]
-            ex.method.decoded(slots, m)
-            ex.method.decode_step_done(b.plans, B)
-
-        return b.ids[:B, 0], DecodeTail(B, attend), done
+        key = ex.method.decode_graph_key([s.num_tokens - 1 for s in seqs])
+        return b.ids[:B, 0], DecodeTail(B, attend), lambda: self._step_done(b, seqs, key)
 
     # --- one step --------------------------------------------------------------------------
     def step_key(self, seqs) -> tuple[SamplerVariant, Hashable]:
@@ -283,9 +275,7 @@ class CudaDecoder:
         ``m = num_tokens - 1``; writes its K/V (and the method its per-request state). Nothing is read back:
         the caller reads the tokens. ``feed``: the step in flight's tokens, for the requests whose last
         token is pending."""
-        ex = self.ex
         B = len(seqs)
-        method = ex.method
         key = self.step_key(seqs)
         b = self._bucket(self.bucket_size(B), key)
         self._write_inputs(b, seqs)
@@ -301,6 +291,14 @@ class CudaDecoder:
             tokens, logits = self._forward(b, *key)
             logits = logits[:B]
         tokens = tokens[:B].clone()         # the static output is rewritten by the bucket's next replay
-        method.decoded([s.slot for s in seqs], [s.num_tokens - 1 for s in seqs])
-        method.decode_step_done(b.plans, B)
+        self._step_done(b, seqs, key[1])
         return tokens, logits
+
+    def _step_done(self, b: DecodeBucket, seqs, method_key: Hashable) -> None:
+        """The method's host hooks after a step of ``seqs`` in bucket ``b`` (its decode step, or a packed call's
+        decode tail): ``decoded``, then ``decode_step_done`` with the plans' ``variant`` set to the step's
+        ``method_key`` (its ``decode_graph_key``)."""
+        if b.plans is not None:
+            b.plans.variant = method_key
+        self.ex.method.decoded([s.slot for s in seqs], [s.num_tokens - 1 for s in seqs])
+        self.ex.method.decode_step_done(b.plans, len(seqs))

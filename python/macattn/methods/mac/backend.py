@@ -63,7 +63,7 @@ class MacAttention(AttentionMethod):
         self.layer_errors: dict[int, list[float]] = {}
         self.last_match_pos: Mapping[int, torch.Tensor] = {}
         self.slots: torch.Tensor | None = None      # plain-transformers rows (no runtime)
-        self._any_enabled = any(config.for_layer(layer).enabled for layer in range(dims.num_layers))
+        self._mac_layers = config.enabled_layers(dims.num_layers)
         # 1 / s_h per calibrated layer ([Hq] fp64 on the model's device, made here: never inside a captured step)
         self.inv_match_scale: dict[int, torch.Tensor] = {}
         for layer in range(dims.num_layers):
@@ -109,8 +109,7 @@ class MacAttention(AttentionMethod):
         reference when the rest runs as one chunk)."""
         if not self.config.engages(prompt_len):
             return 0
-        params = [self.config.for_layer(layer) for layer in range(self.dims.num_layers)]
-        return max((p.window for p in params if p.enabled), default=0)
+        return max((self.config.for_layer(layer).window for layer in self._mac_layers), default=0)
 
     def request_metrics(self, slot: int) -> dict[str, float]:
         """The request's hit rate and skipped prefix; ``{}`` without reading the device where none of its decode
@@ -121,7 +120,7 @@ class MacAttention(AttentionMethod):
 
     def decoded(self, slots: list[int], positions: list[int]) -> None:
         """Mark the slots whose step engaged (a MAC layer, ``m >= min_context``) as counted by the diagnostics."""
-        if self.collect_diagnostics and self._any_enabled:
+        if self.collect_diagnostics and self._mac_layers:
             self.state.diagnostics.counted.update(s for s, m in zip(slots, positions) if self.config.engages(m))
 
     def request_metrics_part(self, slot: int) -> list[float] | None:
@@ -151,7 +150,7 @@ class MacAttention(AttentionMethod):
     def decode_in_full(self, positions) -> bool:
         """True where no layer has MAC on, or no row has reached ``min_context``: every layer then attends in full
         and no ring is read or written (the step of MAC off)."""
-        return not self._any_enabled or not self._engaged(positions)
+        return not self._mac_layers or not self._engaged(positions)
 
     def decode_graph_keys(self) -> tuple[tuple[bool, bool], ...]:
         """The variants a step of the current settings can take: engaged only, or both with ``min_context``."""

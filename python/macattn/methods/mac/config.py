@@ -183,6 +183,10 @@ class MacConfig(LayerMacParams):
                 fields.update(dict(override))
         return LayerMacParams(**fields)
 
+    def enabled_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layers of a ``num_layers``-layer model with MAC on (``for_layer(i).enabled``), in order."""
+        return tuple(layer for layer in range(num_layers) if self.for_layer(layer).enabled)
+
     def require_engine_support(self, where: str, *, match_modes: tuple[str, ...] = ENGINE_MATCH_MODES) -> None:
         """Raise ``ValueError`` if any layer asks for a miss policy outside ``ENGINE_MISS_POLICIES`` or a
         match outside ``match_modes``: ``where`` (the engine: ``ENGINE_MATCH_MODES``; the ONNX export:

@@ -71,7 +71,7 @@ class MacDecodePlans(DecodePlans):
                 self.plans[key] = self._make(*key)
         self.match_pos: dict[int, torch.Tensor] = {}
         self._diag_index: tuple | None = None
-        self._mac_layers = [layer for layer in range(num_layers) if config.for_layer(layer).enabled]
+        self._mac_layers = config.enabled_layers(num_layers)
         self._first_mac_layer = min(self._mac_layers, default=None)
         self._gate: tuple[torch.Tensor, torch.Tensor] | None = None     # this step's, made by its first MAC layer
         self._missed = (torch.full((geometry.batch_size, geometry.num_q_heads), -1, dtype=torch.int64,
