@@ -4,13 +4,15 @@ guidellm 0.8.1 (its default chat request format, then ``/v1/completions``) and l
 generate_until, loglikelihood, multiple_choice), the lm-eval scores next to the same tasks scored by
 lm-eval's ``hf`` model (a plain transformers forward of the same checkpoint, fp32).
 
-Installs nothing: the clients are found with ``--clients-bin DIR`` (a folder holding the ``guidellm`` and
-``lm_eval`` commands, e.g. a virtual environment's ``bin``), ``$MACATTN_CLIENTS_BIN``, or ``PATH``. Set up once
-(a separate environment keeps their pins away from the project's)::
+The clients are found with ``--clients-bin DIR`` (a folder holding the ``guidellm`` and ``lm_eval`` commands,
+e.g. a virtual environment's ``bin``), ``$MACATTN_CLIENTS_BIN``, or ``PATH``. They live in a virtual environment of
+their own, not beside the project: guidellm needs numpy >= 2 and nvidia-pytriton (a test dependency) numpy < 2.
+``--setup DIR`` makes that environment (``CLIENT_PINS``, the CPU torch and the transformers range the project
+supports; about 2 minutes and 1.9 GB once, nothing when ``DIR`` already holds these pins) and prints its ``bin``;
+``.ci/run`` does this before the tests::
 
-    python -m venv --system-site-packages /opt/clients
-    /opt/clients/bin/pip install guidellm==0.8.1 "lm-eval[api,hf]==0.4.13"
-    python benchmarks/run_clients.py --clients-bin /opt/clients/bin
+    python benchmarks/run_clients.py --setup ~/.cache/macattn/clients
+    python benchmarks/run_clients.py --clients-bin ~/.cache/macattn/clients/bin
 
 Writes ``benchmarks/results/clients_cpu.json`` (the summary: failed requests per client, guidellm's request
 counts and latencies, lm-eval's scores served vs transformers and the largest log-likelihood difference) and
@@ -42,6 +44,29 @@ TASK_DIR = ROOT / "tests" / "data" / "lm_eval"
 TASKS = ("macattn_generate_until", "macattn_loglikelihood", "macattn_multiple_choice")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
+
+
+CLIENT_PINS = ("guidellm==0.8.1", "lm-eval[api,hf]==0.4.13", "accelerate")
+
+
+def setup_clients(venv: Path) -> Path:
+    """Make (or reuse) the clients' virtual environment at ``venv``; returns its ``bin`` folder. Reused as is when
+    its stamp file lists the same requirements and both commands are there."""
+    from macattn.models.transformers_api import SUPPORTED_TRANSFORMERS
+
+    import torch
+
+    reqs = [f"torch=={torch.__version__.split('+')[0]}", f"transformers{SUPPORTED_TRANSFORMERS}", *CLIENT_PINS]
+    bin_dir, stamp = venv / "bin", venv / "macattn-clients.txt"
+    if stamp.is_file() and stamp.read_text().split() == reqs and all((bin_dir / c).is_file()
+                                                                    for c in ("guidellm", "lm_eval")):
+        return bin_dir
+    shutil.rmtree(venv, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check", *reqs],
+                   check=True)
+    stamp.write_text("\n".join(reqs) + "\n")
+    return bin_dir
 
 
 def find_clients(bin_dir: str | None) -> dict[str, str | None]:
@@ -280,6 +305,8 @@ def _portable(cmd: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients-bin", default=None, help="folder with the guidellm and lm_eval commands")
+    ap.add_argument("--setup", default=None, metavar="DIR",
+                    help="make the clients' virtual environment at DIR, print its bin folder and exit")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="results folder")
     ap.add_argument("--only", choices=("guidellm", "lm_eval"), default=None, help="run one client")
     ap.add_argument("--requests", type=int, default=8, help="guidellm: requests per run")
@@ -289,11 +316,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per client run")
     ap.add_argument("--summary", default="clients_cpu.json", help="summary file name in --out")
     args = ap.parse_args(argv)
+    if args.setup:
+        print(setup_clients(Path(args.setup).expanduser().resolve()))
+        return 0
     clients = find_clients(args.clients_bin)
     wanted = [args.only] if args.only else ["guidellm", "lm_eval"]
     missing = [c for c in wanted if clients[c] is None]
     if missing:
-        print(f"not installed (nothing is installed here): {', '.join(missing)}; see this script's doc", file=sys.stderr)
+        print(f"not installed: {', '.join(missing)}; --setup DIR installs them (this script's doc)", file=sys.stderr)
         return 2
     out_root = Path(args.out)
     out = out_root / Path(args.summary).stem

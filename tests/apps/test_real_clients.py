@@ -4,15 +4,19 @@
 * the ``openai`` Python client's usual loops (``chunk.choices[0].delta.content`` over a stream, with and
   without ``stream_options={"include_usage": True}``, chat, completions, logprobs, ``n``, ``extra_body``,
   errors, the async client): fast, in CI (``openai`` is in the test extra);
-* guidellm 0.8.1 and lm-eval 0.4.13 (marker ``clients``): heavy, skipped unless installed (their commands on
-  ``PATH`` or in ``$MACATTN_CLIENTS_BIN``); they run ``benchmarks/run_clients.py``, which starts
-  ``macattn serve --model builtin`` and records ``benchmarks/results/clients_cpu.json``.
+* guidellm 0.8.1 and lm-eval 0.4.13 (marker ``clients``, heavy): their commands come from
+  ``$MACATTN_CLIENTS_BIN`` or else from the pinned virtual environment that ``run_clients.setup_clients`` makes
+  once (about 2 minutes) at ``$MACATTN_CLIENTS_VENV`` (default ``~/.cache/macattn/clients``), never from the
+  project's own environment, whose numpy pin they conflict with; skipped, with the reason, only when that
+  environment cannot be made. They run ``benchmarks/run_clients.py``, which starts ``macattn serve --model
+  builtin`` and records ``benchmarks/results/clients_cpu.json``.
 """
 from __future__ import annotations
 
 import asyncio
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -133,7 +137,18 @@ def _runner():
     return mod
 
 
-_CLIENTS = _runner().find_clients(None)
+CLIENTS_VENV = Path(os.environ.get("MACATTN_CLIENTS_VENV", "~/.cache/macattn/clients")).expanduser()
+
+
+@pytest.fixture(scope="module")
+def clients_bin() -> str:
+    """The folder of the pinned ``guidellm`` and ``lm_eval`` commands (module doc)."""
+    if os.environ.get("MACATTN_CLIENTS_BIN"):
+        return os.environ["MACATTN_CLIENTS_BIN"]
+    try:
+        return str(_runner().setup_clients(CLIENTS_VENV))
+    except (subprocess.CalledProcessError, OSError) as e:
+        pytest.skip(f"the clients' virtual environment could not be made at {CLIENTS_VENV}: {e}")
 
 
 def test_the_runner_serves_and_stops_its_server(tmp_path):
@@ -147,31 +162,35 @@ def test_the_runner_serves_and_stops_its_server(tmp_path):
     assert code is not None and srv.proc.poll() is not None
 
 
-def _run_clients(tmp_path, only: str) -> dict:
+def _run_clients(tmp_path, only: str, clients_bin: str) -> tuple[dict, str]:
+    """``run_clients.py --only only``: its summary and the tails of the clients' logs (for failure messages)."""
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_clients.py"), "--only", only, "--out",
-                          str(tmp_path), "--requests", "4"], capture_output=True, text=True, timeout=3000, cwd=ROOT)
+                          str(tmp_path), "--requests", "4", "--clients-bin", clients_bin],
+                         capture_output=True, text=True, timeout=3000, cwd=ROOT)
     summary = tmp_path / "clients_cpu.json"
     assert summary.is_file(), out.stdout + out.stderr
-    return json.loads(summary.read_text())
+    logs = "".join(f"\n--- {log.name}\n" + "\n".join(log.read_text().splitlines()[-15:])
+                   for log in sorted((tmp_path / "clients_cpu").glob("*.log")))
+    return json.loads(summary.read_text()), logs
 
 
 @pytest.mark.clients
 @pytest.mark.slow
-@pytest.mark.skipif(_CLIENTS["guidellm"] is None, reason="guidellm is not installed (benchmarks/run_clients.py)")
-def test_guidellm_default_chat_run_and_completions_run_have_no_failed_request(tmp_path):
-    res = _run_clients(tmp_path, "guidellm")["guidellm"]
+def test_guidellm_default_chat_run_and_completions_run_have_no_failed_request(tmp_path, clients_bin):
+    summary, logs = _run_clients(tmp_path, "guidellm", clients_bin)
+    res = summary["guidellm"]
     for run in ("chat", "completions"):
-        assert res[run]["exit_code"] == 0 and res[run]["failed_requests"] == 0, res[run]
+        assert res[run]["exit_code"] == 0 and res[run]["failed_requests"] == 0, (res[run], logs)
         assert res[run]["requests"]["successful"] == 4 and res[run]["median_output_tokens"] == 16, res[run]
         assert res[run]["ok"], res[run]
 
 
 @pytest.mark.clients
 @pytest.mark.slow
-@pytest.mark.skipif(_CLIENTS["lm_eval"] is None, reason="lm-eval is not installed (benchmarks/run_clients.py)")
-def test_lm_eval_local_completions_scores_equal_a_transformers_forward(tmp_path):
-    res = _run_clients(tmp_path, "lm_eval")["lm_eval"]
-    assert res["exit_code_server"] == 0 and res["exit_code_transformers"] == 0, res
+def test_lm_eval_local_completions_scores_equal_a_transformers_forward(tmp_path, clients_bin):
+    summary, logs = _run_clients(tmp_path, "lm_eval", clients_bin)
+    res = summary["lm_eval"]
+    assert res["exit_code_server"] == 0 and res["exit_code_transformers"] == 0, (res, logs)
     assert res["failed_requests"] == 0 and res["max_abs_loglikelihood_diff"] <= 1e-4, res
     for task, r in res["tasks"].items():
         assert r["docs"] >= 5 and r["equal"], (task, r)
