@@ -9,7 +9,7 @@ e.g. a virtual environment's ``bin``), ``$MACATTN_CLIENTS_BIN``, or ``PATH``. Th
 their own, not beside the project: guidellm needs numpy >= 2 and nvidia-pytriton (a test dependency) numpy < 2.
 ``--setup DIR`` makes that environment (``CLIENT_PINS``, the CPU torch and the transformers range the project
 supports; about 2 minutes and 1.9 GB once, nothing when ``DIR`` already holds these pins) and prints its ``bin``;
-``.ci/run`` does this before the tests::
+the tests' fixture (``tests/apps/test_real_clients.py``) does this before running them::
 
     python benchmarks/run_clients.py --setup ~/.cache/macattn/clients
     python benchmarks/run_clients.py --clients-bin ~/.cache/macattn/clients/bin

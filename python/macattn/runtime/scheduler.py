@@ -21,7 +21,8 @@ beyond the shared full prompt blocks); once its prompt is prefilled, ``fork`` st
 Prefix caching (``prefix_recompute`` set; ``runtime/block_manager.py``): at admission a request whose prompt
 packs and needs no ``prompt_logprobs`` takes the longest cached prefix of whole blocks that leaves at least
 ``prefix_recompute(prompt length)`` prompt tokens to compute (the method's need, ``prefix_recompute_tokens``),
-and starts with ``num_prefilled`` there: its prefill is a continued chunk over the cached K/V. ``commit`` registers the full prompt blocks a prefill call wrote.
+and starts with ``num_prefilled`` there: its prefill is a continued chunk over the cached K/V. ``commit`` registers
+the full prompt blocks a prefill call wrote.
 """
 from __future__ import annotations
 
